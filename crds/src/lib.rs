@@ -1,0 +1,21 @@
+//! Types and descriptions of the report kinds reports-server serves.
+//!
+//! * [`kinds`]: PolicyReport, ClusterPolicyReport (`wgpolicyk8s.io/v1alpha2`), EphemeralReport,
+//!   ClusterEphemeralReport (`reports.kyverno.io/v1`), Report, ClusterReport
+//!   (`openreports.io/v1alpha1`) as serde structs that round-trip upstream objects losslessly.
+//! * [`catalog`]: one [`catalog::ResourceDescriptor`] per served resource — the single source for
+//!   discovery, routing, printer columns, validation and schemas.
+//! * [`crd`]: CustomResourceDefinition generation from the Rust types (`reports-server crds`).
+//!
+//! This crate does no I/O.
+
+pub mod catalog;
+pub mod crd;
+pub mod fixtures;
+pub mod kinds;
+pub mod result;
+pub mod schema;
+
+pub use catalog::{ReportLayout, ResourceDescriptor};
+pub use kinds::*;
+pub use result::{PolicyResult, ReportResult, Severity, Summary, Timestamp};
