@@ -1,1 +1,181 @@
-fn main() {}
+//! `reports-server`: Kubernetes policy reports served from SQL.
+//!
+//! This binary only parses flags and wires the crates together.
+
+mod bench;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use reports_server_apiserver::http::ApiOptions;
+use reports_server_apiserver::standalone::{self, StandaloneConfig};
+use reports_server_apiserver::store::{Store, StoreOptions};
+
+#[derive(Parser)]
+#[command(name = "reports-server", version, about = "Kubernetes policy reports served from SQL through the API aggregation layer")]
+struct Cli {
+    /// Log filter (tracing-subscriber EnvFilter syntax).
+    #[arg(long, env = "REPORTS_SERVER_LOG", default_value = "info", global = true)]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the report APIs. With no flags: 127.0.0.1:6443, embedded SQLite, own CA and a kubeconfig.
+    Serve(ServeArgs),
+    /// Print the CustomResourceDefinitions of the served kinds (generated from the Rust types).
+    Crds,
+    /// Apply database migrations and exit.
+    Migrate(DatabaseArgs),
+    /// Measure create and list throughput against a fresh standalone server.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args, Clone)]
+pub struct DatabaseArgs {
+    /// Database URL: sqlite://PATH?mode=rwc, postgres://USER:PASS@HOST:PORT/DB or mysql://…
+    /// [default: SQLite file `reports.db` in --data-dir; or built from DB_HOST/DB_PORT/DB_DATABASE/DB_USER/DB_PASSWORD when DB_HOST is set]
+    #[arg(long, env = "REPORTS_SERVER_DATABASE_URL")]
+    database_url: Option<String>,
+    /// Directory for the embedded database, certificates and kubeconfig.
+    #[arg(long, env = "REPORTS_SERVER_DATA_DIR", default_value_t = default_data_dir())]
+    data_dir: String,
+    /// Partition key so several clusters can share one database.
+    #[arg(long, env = "REPORTS_SERVER_CLUSTER_ID", default_value = "default")]
+    cluster_id: String,
+    /// Maximum database connections of this process.
+    #[arg(long, env = "REPORTS_SERVER_DB_MAX_CONNECTIONS", default_value_t = 10)]
+    db_max_connections: u32,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    database: DatabaseArgs,
+    /// Address to listen on.
+    #[arg(long, env = "REPORTS_SERVER_BIND_ADDRESS", default_value = "127.0.0.1")]
+    bind_address: IpAddr,
+    /// HTTPS port.
+    #[arg(long, env = "REPORTS_SERVER_SECURE_PORT", default_value_t = 6443)]
+    secure_port: u16,
+    /// Where to write the admin kubeconfig [default: <data-dir>/kubeconfig].
+    #[arg(long, env = "REPORTS_SERVER_WRITE_KUBECONFIG")]
+    write_kubeconfig: Option<PathBuf>,
+    /// Largest accepted request body in bytes (larger requests get 413).
+    #[arg(long, env = "REPORTS_SERVER_MAX_REQUEST_BYTES", default_value_t = 3 * 1024 * 1024)]
+    max_request_bytes: usize,
+    /// Seconds between BOOKMARK events on watches that allow them.
+    #[arg(long, env = "REPORTS_SERVER_BOOKMARK_INTERVAL_SECONDS", default_value_t = 60)]
+    bookmark_interval_seconds: u64,
+    /// Change-log entries younger than this many seconds are kept for resuming watches.
+    #[arg(long, env = "REPORTS_SERVER_WATCH_HISTORY_SECONDS", default_value_t = 600)]
+    watch_history_seconds: u64,
+    /// At most this many change-log entries are kept.
+    #[arg(long, env = "REPORTS_SERVER_WATCH_HISTORY_MAX_EVENTS", default_value_t = 100_000)]
+    watch_history_max_events: i64,
+}
+
+fn default_data_dir() -> String {
+    match std::env::var_os("XDG_DATA_HOME").or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share").into_os_string())) {
+        Some(base) => PathBuf::from(base).join("reports-server").display().to_string(),
+        None => ".reports-server".into(),
+    }
+}
+
+impl DatabaseArgs {
+    /// The effective URL: the flag, the peer's DB_* variables, or the embedded SQLite file.
+    fn url(&self) -> anyhow::Result<String> {
+        if let Some(url) = &self.database_url {
+            return Ok(url.clone());
+        }
+        if let Ok(host) = std::env::var("DB_HOST") {
+            let var = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_owned());
+            return Ok(format!(
+                "postgres://{}:{}@{host}:{}/{}",
+                var("DB_USER", "postgres"),
+                var("DB_PASSWORD", ""),
+                var("DB_PORT", "5432"),
+                var("DB_DATABASE", "reportsdb")
+            ));
+        }
+        let dir = PathBuf::from(&self.data_dir);
+        std::fs::create_dir_all(&dir).with_context(|| format!("cannot create the data directory {}", dir.display()))?;
+        Ok(format!("sqlite://{}?mode=rwc", dir.join("reports.db").display()))
+    }
+
+    fn store_options(&self) -> anyhow::Result<StoreOptions> {
+        let mut options = StoreOptions::new(self.url()?);
+        options.cluster_id = self.cluster_id.clone();
+        options.max_connections = self.db_max_connections;
+        Ok(options)
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).context("invalid --log filter")?)
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Crds => {
+            print!("{}", reports_server_crds::crd::all_crds_yaml());
+            Ok(())
+        }
+        Command::Migrate(db) => {
+            let options = db.store_options()?;
+            Store::connect(options).await.context("migration failed")?;
+            eprintln!("database is at the latest schema version");
+            Ok(())
+        }
+        Command::Serve(args) => serve(args).await,
+        Command::Bench(args) => bench::run(args).await,
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut store = args.database.store_options()?;
+    store.watch_history = Duration::from_secs(args.watch_history_seconds);
+    store.watch_history_max_events = args.watch_history_max_events;
+    let data_dir = PathBuf::from(&args.database.data_dir);
+    let kubeconfig = args.write_kubeconfig.clone().unwrap_or_else(|| data_dir.join("kubeconfig"));
+    let config = StandaloneConfig {
+        data_dir,
+        bind: SocketAddr::new(args.bind_address, args.secure_port),
+        store,
+        api: ApiOptions { max_request_bytes: args.max_request_bytes, bookmark_interval: Duration::from_secs(args.bookmark_interval_seconds.max(1)) },
+        kubeconfig,
+    };
+    let server = standalone::start(config).await.context("cannot start the server")?;
+    tracing::info!(address = %server.addr, backend = ?server.store.backend(), "serving");
+    println!("reports-server is serving on {}", server.url());
+    println!("  kubectl --kubeconfig {} get policyreports -A", server.kubeconfig.display());
+    let token = server.shutdown_token();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        token.cancel();
+    });
+    server.wait().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,1 +1,45 @@
-//! placeholder
+//! Kyverno-compatible report aggregation.
+//!
+//! Kyverno writes *ephemeral* reports (`reports.kyverno.io/v1`) from its admission webhook and
+//! background scanner and normally merges them into PolicyReports itself. With
+//! `--aggregateReports=false` that job moves here, next to the data: reports-server merges in
+//! the same transaction that deletes the consumed ephemeral reports, instead of through
+//! thousands of API calls. The output must be what Kyverno would write (names, labels, order,
+//! summaries), so every rule here follows `shared/reference/kyverno-aggregation.md`; the
+//! user-facing description is `docs/aggregation.md`.
+//!
+//! * [`merge`]: the pure merge (no I/O), namespace-wide or page by page;
+//! * [`policy`]: the live policy set and Kyverno's autogen rule naming;
+//! * [`results`]: result identity, ordering and `omitempty` normalisation;
+//! * [`queue`]: the delayed per-namespace work queue;
+//! * [`backend`]: the storage trait the workers call; [`memory`]: an in-memory implementation;
+//! * [`aggregator`]: queue + backend + merge;
+//! * [`offline`]: YAML in, YAML out, for `reports-server aggregate`;
+//! * [`metrics`]: Prometheus metrics.
+
+pub mod aggregator;
+pub mod backend;
+pub mod error;
+pub mod memory;
+pub mod merge;
+pub mod metrics;
+pub mod offline;
+pub mod policy;
+pub mod queue;
+pub mod report;
+pub mod results;
+
+pub use aggregator::{Aggregator, AggregatorConfig, ReconcileOutcome};
+pub use backend::{AggregationBackend, BackendError, InputPage, PageRequest};
+pub use error::Error;
+pub use memory::InMemoryBackend;
+pub use merge::{
+    Layout, MergeInput, MergeOptions, MergeStats, OutputFormat, Plan, merge_namespace, merge_page,
+    merge_subject,
+};
+pub use metrics::Metrics;
+pub use offline::{OfflineOptions, aggregate_offline};
+pub use policy::PolicySet;
+pub use queue::{QueueConfig, WorkQueue};
+pub use report::{Ephemeral, FinalReport, ObjectKey, ReportKind};
+pub use tokio_util::sync::CancellationToken;

@@ -1,0 +1,228 @@
+//! The glue between queue, backend and merge: what a worker does for one namespace.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{AggregationBackend, InputPage, PageRequest};
+use crate::error::Error;
+use crate::merge::{
+    Layout, MergeInput, MergeOptions, MergeStats, Plan, merge_namespace, merge_page,
+};
+use crate::metrics::{Metrics, Operation};
+use crate::queue::{QueueConfig, WorkQueue};
+
+/// Default number of subjects per page in the per-resource layout.
+pub const DEFAULT_PAGE_SIZE: usize = 500;
+
+/// Everything configurable about the running aggregator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AggregatorConfig {
+    pub queue: QueueConfig,
+    pub merge: MergeOptions,
+    /// Subjects per page (per-resource layout).
+    pub page_size: usize,
+}
+
+impl Default for AggregatorConfig {
+    fn default() -> Self {
+        AggregatorConfig {
+            queue: QueueConfig::default(),
+            merge: MergeOptions::default(),
+            page_size: DEFAULT_PAGE_SIZE,
+        }
+    }
+}
+
+/// What one reconcile did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReconcileOutcome {
+    pub created: usize,
+    pub updated: usize,
+    pub deleted: usize,
+    pub ephemerals_deleted: usize,
+    pub conflicts: usize,
+    /// Number of plans applied (one per page with changes).
+    pub applies: usize,
+    pub stats: MergeStats,
+}
+
+impl ReconcileOutcome {
+    fn add(&mut self, plan: &Plan) {
+        self.created += plan.creates.len();
+        self.updated += plan.updates.len();
+        self.deleted += plan.deletes.len();
+        self.ephemerals_deleted += plan.ephemeral_deletes.len();
+        self.conflicts += plan.conflicts.len();
+        self.stats.add(&plan.stats);
+    }
+}
+
+/// Aggregates namespaces on demand: enqueue a namespace (`""` for cluster scope) whenever one
+/// of its ephemeral reports, policy reports or the policy set changes; [`Aggregator::run`]
+/// merges it after the queue delay.
+pub struct Aggregator<B> {
+    backend: Arc<B>,
+    config: AggregatorConfig,
+    metrics: Metrics,
+    queue: WorkQueue,
+}
+
+impl<B: AggregationBackend> Aggregator<B> {
+    pub fn new(backend: Arc<B>, config: AggregatorConfig, metrics: Metrics) -> Arc<Self> {
+        let queue = WorkQueue::new(config.queue.clone(), Some(metrics.clone()));
+        Arc::new(Aggregator {
+            backend,
+            config,
+            metrics,
+            queue,
+        })
+    }
+
+    /// The queue, to enqueue namespaces from event handlers.
+    pub fn queue(&self) -> &WorkQueue {
+        &self.queue
+    }
+
+    /// Shorthand for `queue().enqueue(namespace)`.
+    pub fn enqueue(&self, namespace: &str) {
+        self.queue.enqueue(namespace);
+    }
+
+    pub fn config(&self) -> &AggregatorConfig {
+        &self.config
+    }
+
+    /// Merges one namespace now and applies the result.
+    ///
+    /// Per-resource layout: page by page, each page's plan applied on its own, so memory is
+    /// bounded by the page size. If the first page holds multi-subject reports (per-policy
+    /// reports from an older Kyverno, or from a switch of layout), the namespace is merged in
+    /// one piece instead so that their results move to per-resource reports without loss.
+    /// Per-policy layout: always in one piece (a policy's report spans all subjects).
+    pub async fn reconcile(&self, namespace: &str) -> Result<ReconcileOutcome, Error> {
+        let started = Instant::now();
+        let result = self.reconcile_inner(namespace).await;
+        self.metrics
+            .reconcile_duration
+            .observe(started.elapsed().as_secs_f64());
+        match &result {
+            Ok(outcome) => {
+                self.metrics
+                    .results_merged
+                    .inc_by(outcome.stats.results_out as u64);
+                self.metrics
+                    .record_written(Operation::Create, outcome.created);
+                self.metrics
+                    .record_written(Operation::Update, outcome.updated);
+                self.metrics
+                    .record_written(Operation::Delete, outcome.deleted);
+                self.metrics
+                    .ephemeral_reports_deleted
+                    .inc_by(outcome.ephemerals_deleted as u64);
+                self.metrics.conflicts.inc_by(outcome.conflicts as u64);
+                if outcome.conflicts > 0 {
+                    tracing::warn!(
+                        namespace,
+                        conflicts = outcome.conflicts,
+                        "reports not written: names taken by reports not managed by kyverno"
+                    );
+                }
+            }
+            Err(_) => {
+                self.metrics.errors.inc();
+            }
+        }
+        result
+    }
+
+    async fn load(&self, namespace: &str, token: Option<&str>) -> Result<InputPage, Error> {
+        let request = PageRequest {
+            namespace,
+            report_kind: self.config.merge.output.kind_for(namespace),
+            continue_token: token,
+            limit: self.config.page_size.max(1),
+        };
+        Ok(self.backend.load_page(request).await?)
+    }
+
+    async fn apply(&self, plan: &Plan, outcome: &mut ReconcileOutcome) -> Result<(), Error> {
+        if !plan.is_empty() {
+            self.backend.apply(plan).await?;
+            outcome.applies += 1;
+        }
+        outcome.add(plan);
+        Ok(())
+    }
+
+    async fn reconcile_inner(&self, namespace: &str) -> Result<ReconcileOutcome, Error> {
+        let policies = self.backend.policies().await?;
+        let options = &self.config.merge;
+        let mut outcome = ReconcileOutcome::default();
+        let mut page = self.load(namespace, None).await?;
+        let multi_subject = page.reports.iter().any(|r| {
+            r.is_managed()
+                && r.scope()
+                    .and_then(|s| s.uid.as_deref())
+                    .is_none_or(str::is_empty)
+        });
+        if options.layout == Layout::PerResource && !multi_subject {
+            loop {
+                let plan = merge_page(
+                    &MergeInput {
+                        namespace,
+                        reports: &page.reports,
+                        ephemerals: &page.ephemerals,
+                        policies: policies.as_ref(),
+                    },
+                    options,
+                )?;
+                self.apply(&plan, &mut outcome).await?;
+                let Some(next) = page.next.take() else {
+                    break;
+                };
+                page = self.load(namespace, Some(&next)).await?;
+            }
+            return Ok(outcome);
+        }
+        let mut all = InputPage::default();
+        loop {
+            all.reports.append(&mut page.reports);
+            all.ephemerals.append(&mut page.ephemerals);
+            let Some(next) = page.next.take() else {
+                break;
+            };
+            page = self.load(namespace, Some(&next)).await?;
+        }
+        let plan = merge_namespace(
+            &MergeInput {
+                namespace,
+                reports: &all.reports,
+                ephemerals: &all.ephemerals,
+                policies: policies.as_ref(),
+            },
+            options,
+        );
+        self.apply(&plan, &mut outcome).await?;
+        Ok(outcome)
+    }
+
+    /// Runs the workers until `cancel` fires.
+    pub async fn run(self: Arc<Self>, cancel: CancellationToken) {
+        let this = self.clone();
+        self.queue
+            .run(
+                move |namespace: String| {
+                    let this = this.clone();
+                    async move {
+                        let outcome = this.reconcile(&namespace).await?;
+                        tracing::debug!(namespace, ?outcome, "namespace aggregated");
+                        Ok::<(), Error>(())
+                    }
+                },
+                cancel,
+            )
+            .await;
+    }
+}

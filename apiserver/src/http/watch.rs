@@ -1,0 +1,208 @@
+//! Watches: newline-delimited JSON events streamed from the change log.
+//!
+//! Start semantics follow kube-apiserver: without `resourceVersion` (or with `"0"`) the client
+//! first gets a synthetic ADDED for every matching object, then live events; with `N` it gets
+//! every event after N, replayed from the change log, or a 410 Expired ERROR event when N is
+//! older than the retained history. Label-selector watches turn "stopped matching" into DELETED
+//! and "started matching" into ADDED. A watcher that falls more than the broadcast buffer behind
+//! is cut off; its client resumes from the last resourceVersion it saw.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde_json::{Value, json};
+use tokio::sync::broadcast::error::RecvError;
+
+use super::negotiate::Target;
+use super::request::{Params, ResourcePath};
+use super::resources::{accept, include_object, render_object};
+use super::status::ApiError;
+use super::AppState;
+use crate::store::feed::read_changes;
+use crate::store::{Change, EventType, ListQuery, Store};
+
+/// Longest a watch stays open when the client gives no `timeoutSeconds`.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
+
+struct Filter {
+    resource_key: String,
+    namespace: Option<String>,
+    params: Params,
+}
+
+impl Filter {
+    /// The event type this watcher should see for `change`, if any.
+    fn event_for(&self, change: &Change) -> Option<EventType> {
+        if change.resource != self.resource_key {
+            return None;
+        }
+        if self.namespace.as_deref().is_some_and(|ns| ns != change.namespace) {
+            return None;
+        }
+        if !self.params.fields.matches(&change.namespace, &change.name) {
+            return None;
+        }
+        let labels = &self.params.labels;
+        if labels.is_empty() {
+            return Some(change.event);
+        }
+        let now = labels.matches(&change.labels);
+        let before = change.prev_labels.as_ref().is_some_and(|l| labels.matches(l));
+        match (change.event, before, now) {
+            (EventType::Deleted, _, _) => now.then_some(EventType::Deleted),
+            (EventType::Added, _, true) => Some(EventType::Added),
+            (EventType::Modified, true, true) => Some(EventType::Modified),
+            (EventType::Modified, false, true) => Some(EventType::Added),
+            (EventType::Modified, true, false) => Some(EventType::Deleted),
+            _ => None,
+        }
+    }
+}
+
+fn event_line(kind: &str, object: &Value) -> Bytes {
+    let mut line = serde_json::to_vec(&json!({"type": kind, "object": object})).expect("events serialize");
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+fn error_event(e: &ApiError) -> Bytes {
+    event_line("ERROR", &e.status())
+}
+
+pub async fn watch(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap) -> Result<Response, ApiError> {
+    let n = accept(headers, Target::Collection)?;
+    let include = include_object(params)?;
+    if params.send_initial_events.is_some() {
+        return Err(ApiError::invalid(
+            path.resource,
+            "",
+            vec![("sendInitialEvents".into(), "Forbidden: streaming lists are not supported by this server version; use LIST then WATCH".into(), "FieldValueForbidden")],
+        ));
+    }
+    let store = state.store.clone();
+    let (current, compacted) = store.versions().await?;
+    let start: Option<i64> = match params.resource_version.as_deref() {
+        None | Some("0") => None,
+        Some(rv) => Some(rv.parse().map_err(|_| ApiError::bad_request(format!("resourceVersion: invalid value {rv:?}")))?),
+    };
+    let filter = Filter { resource_key: Store::resource_key(path.resource), namespace: path.namespace.clone(), params: params.clone() };
+    let timeout = params.timeout_seconds.map(Duration::from_secs).unwrap_or(DEFAULT_TIMEOUT);
+    let bookmarks = params.allow_watch_bookmarks;
+    let bookmark_interval = state.options.bookmark_interval;
+    let path = path.clone();
+    let metrics = state.metrics.clone();
+
+    // Subscribe before reading anything so nothing committed from here on can be missed.
+    let (mut live, delivered) = store.feed().subscribe().await;
+    let expired = start.is_some_and(|rv| rv < compacted);
+    let stream = async_stream::stream! {
+        let _watcher = metrics.watcher_started();
+        if expired {
+            let e = ApiError::gone(format!("too old resource version: {} ({})", start.unwrap_or_default(), compacted + 1));
+            yield Ok::<Bytes, Infallible>(error_event(&e));
+            return;
+        }
+        let render = |object: &Value| render_object(&path, n, include, object);
+        let deadline = tokio::time::sleep(timeout);
+        tokio::pin!(deadline);
+        // Everything after `from` is to be delivered.
+        let mut from = match start {
+            Some(rv) => rv,
+            None => {
+                // Synthetic ADDED events for the current state, consistent with a snapshot.
+                let mut after = None;
+                let mut snapshot = current;
+                loop {
+                    let query = ListQuery {
+                        resource: path.resource,
+                        namespace: path.namespace.clone(),
+                        labels: filter.params.labels.clone(),
+                        fields: filter.params.fields.clone(),
+                        limit: Some(500),
+                        after: after.clone(),
+                        metadata_only: false,
+                    };
+                    let page = match store.list(&query).await {
+                        Ok(p) => p,
+                        Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
+                    };
+                    if after.is_none() { snapshot = page.resource_version; }
+                    for row in &page.rows {
+                        match crate::store::parse_document_public(&row.name, &row.body) {
+                            Ok(object) => yield Ok(event_line("ADDED", &render(&object))),
+                            Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
+                        }
+                    }
+                    if !page.more { break; }
+                    after = page.rows.last().map(|r| (r.namespace.clone(), r.name.clone()));
+                }
+                snapshot
+            }
+        };
+        // Replay the change log between `from` and what the live feed will deliver.
+        while from < delivered {
+            let batch = match read_changes(&store, from, Some(delivered), 1000).await {
+                Ok(b) => b,
+                Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
+            };
+            if batch.is_empty() { break; }
+            for change in batch {
+                from = change.resource_version;
+                if let Some(event) = filter.event_for(&change) {
+                    yield Ok(event_line(event.as_str(), &render(&with_rv(&change))));
+                }
+            }
+        }
+        from = from.max(delivered);
+        let mut ticker = tokio::time::interval(bookmark_interval);
+        ticker.tick().await;
+        loop {
+            tokio::select! {
+                _ = &mut deadline => {
+                    if bookmarks { yield Ok(bookmark(&path, from)); }
+                    return;
+                }
+                _ = ticker.tick(), if bookmarks => {
+                    yield Ok(bookmark(&path, from));
+                }
+                received = live.recv() => match received {
+                    Ok(change) => {
+                        if change.resource_version <= from { continue; }
+                        from = change.resource_version;
+                        if let Some(event) = filter.event_for(&change) {
+                            yield Ok(event_line(event.as_str(), &render(&with_rv(&change))));
+                        }
+                    }
+                    Err(RecvError::Lagged(skipped)) => {
+                        // Too slow: end the stream; the client resumes from its last event.
+                        tracing::info!(skipped, "watcher fell behind the change feed and was cut off");
+                        metrics.watcher_cut_off();
+                        return;
+                    }
+                    Err(RecvError::Closed) => return,
+                },
+            }
+        }
+    };
+    let mut response = (StatusCode::OK, Body::from_stream(stream)).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_str(&super::negotiate::Negotiated { encoding: super::negotiate::Encoding::Json, ..n }.content_type(false)).expect("ASCII"),
+    );
+    response.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache, private"));
+    Ok(response)
+}
+
+fn with_rv(change: &Change) -> Value {
+    let mut object = (*change.object).clone();
+    object["metadata"]["resourceVersion"] = json!(change.resource_version.to_string());
+    object
+}
+
+fn bookmark(path: &ResourcePath, rv: i64) -> Bytes {
+    event_line("BOOKMARK", &json!({"apiVersion": path.resource.api_version(), "kind": path.resource.kind, "metadata": {"resourceVersion": rv.to_string()}}))
+}

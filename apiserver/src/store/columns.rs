@@ -1,0 +1,155 @@
+//! Extracting the indexed columns of a stored object from its JSON (pure).
+
+use std::collections::BTreeMap;
+
+use reports_server_crds::{ReportLayout, ResourceDescriptor};
+use serde_json::Value;
+
+/// The relational view of one object: everything the store indexes, filters or returns
+/// without decoding the body.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ObjectColumns {
+    pub uid: String,
+    pub generation: i64,
+    pub created_at: i64,
+    pub deleted_at: Option<i64>,
+    pub owner_uids: String,
+    pub summary: [i64; 5],
+    pub scope_kind: Option<String>,
+    pub scope_namespace: Option<String>,
+    pub scope_name: Option<String>,
+    pub scope_uid: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    /// `metadata` serialized on its own, for metadata-only responses.
+    pub metadata: String,
+}
+
+fn parse_time(v: Option<&Value>) -> Option<i64> {
+    v.and_then(Value::as_str)
+        .and_then(|s| chrono::DateTime::parse_from_rfc3339(s).ok())
+        .map(|t| t.timestamp())
+}
+
+fn string(v: Option<&Value>) -> Option<String> {
+    v.and_then(Value::as_str).map(str::to_owned)
+}
+
+impl ObjectColumns {
+    pub fn of(desc: &ResourceDescriptor, object: &Value) -> Self {
+        let meta = &object["metadata"];
+        let summary = match desc.layout {
+            ReportLayout::TopLevel => &object["summary"],
+            ReportLayout::Spec => &object["spec"]["summary"],
+        };
+        let count = |k: &str| summary.get(k).and_then(Value::as_i64).unwrap_or(0);
+        let scope = &object["scope"];
+        let labels = meta["labels"]
+            .as_object()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned())).collect())
+            .unwrap_or_default();
+        let owner_uids = meta["ownerReferences"]
+            .as_array()
+            .map(|refs| refs.iter().filter_map(|r| r["uid"].as_str()).collect::<Vec<_>>().join(","))
+            .unwrap_or_default();
+        ObjectColumns {
+            uid: meta["uid"].as_str().unwrap_or_default().to_owned(),
+            generation: meta["generation"].as_i64().unwrap_or(1),
+            created_at: parse_time(meta.get("creationTimestamp")).unwrap_or(0),
+            deleted_at: parse_time(meta.get("deletionTimestamp")),
+            owner_uids,
+            summary: [count("pass"), count("fail"), count("warn"), count("error"), count("skip")],
+            scope_kind: string(scope.get("kind")),
+            scope_namespace: string(scope.get("namespace")),
+            scope_name: string(scope.get("name")),
+            scope_uid: string(scope.get("uid")),
+            labels,
+            metadata: serde_json::to_string(meta).expect("JSON value serializes"),
+        }
+    }
+}
+
+/// One policy result flattened for the `results` table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResultRow {
+    pub source: Option<String>,
+    pub policy: String,
+    pub rule: Option<String>,
+    pub result: Option<String>,
+    pub severity: Option<String>,
+    pub category: Option<String>,
+    pub scored: Option<bool>,
+    pub subject_api_version: Option<String>,
+    pub subject_kind: Option<String>,
+    pub subject_namespace: Option<String>,
+    pub subject_name: Option<String>,
+    pub subject_uid: Option<String>,
+    pub timestamp: Option<i64>,
+    pub message: Option<String>,
+    pub properties: Option<String>,
+}
+
+/// The rows of the analytics table for a report. Results without subjects of their own are
+/// about the report's scope. Intermediate (ephemeral) reports are not indexed: they are
+/// short-lived inputs of the aggregator, not results anyone queries.
+pub fn result_rows(desc: &ResourceDescriptor, object: &Value) -> Vec<ResultRow> {
+    if desc.layout == ReportLayout::Spec {
+        return Vec::new();
+    }
+    let Some(results) = object["results"].as_array() else { return Vec::new() };
+    let scope = &object["scope"];
+    results
+        .iter()
+        .map(|r| {
+            let subject = r["resources"].as_array().and_then(|a| a.first()).unwrap_or(scope);
+            ResultRow {
+                source: string(r.get("source")),
+                policy: r["policy"].as_str().unwrap_or_default().to_owned(),
+                rule: string(r.get("rule")),
+                result: string(r.get("result")),
+                severity: string(r.get("severity")),
+                category: string(r.get("category")),
+                scored: r.get("scored").and_then(Value::as_bool),
+                subject_api_version: string(subject.get("apiVersion")),
+                subject_kind: string(subject.get("kind")),
+                subject_namespace: string(subject.get("namespace")),
+                subject_name: string(subject.get("name")),
+                subject_uid: string(subject.get("uid")),
+                timestamp: r["timestamp"]["seconds"].as_i64(),
+                message: string(r.get("message")),
+                properties: r.get("properties").map(|p| p.to_string()),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reports_server_crds::catalog;
+    use reports_server_crds::fixtures::{Subject, pss_ephemeral_report, pss_policy_report};
+
+    #[test]
+    fn policy_report_columns() {
+        let subject = Subject::pod("ns", 3);
+        let mut report = serde_json::to_value(pss_policy_report(&subject, 1_700_000_000, &[0, 4])).unwrap();
+        report["metadata"]["creationTimestamp"] = "2024-01-01T00:00:10Z".into();
+        let cols = ObjectColumns::of(&catalog::POLICY_REPORT, &report);
+        assert_eq!(cols.summary, [17, 2, 0, 0, 0]);
+        assert_eq!(cols.scope_uid.as_deref(), Some(subject.uid.as_str()));
+        assert_eq!(cols.owner_uids, subject.uid);
+        assert_eq!(cols.created_at, 1_704_067_210);
+        assert_eq!(cols.labels["app.kubernetes.io/managed-by"], "kyverno");
+        let rows = result_rows(&catalog::POLICY_REPORT, &report);
+        assert_eq!(rows.len(), 19);
+        assert_eq!(rows.iter().filter(|r| r.result.as_deref() == Some("fail")).count(), 2);
+        assert_eq!(rows[0].subject_uid.as_deref(), Some(subject.uid.as_str()));
+    }
+
+    #[test]
+    fn ephemeral_summary_lives_in_spec() {
+        let eph = serde_json::to_value(pss_ephemeral_report(&Subject::pod("ns", 1), 1, &[2])).unwrap();
+        let cols = ObjectColumns::of(&catalog::EPHEMERAL_REPORT, &eph);
+        assert_eq!(cols.summary, [18, 1, 0, 0, 0]);
+        assert!(result_rows(&catalog::EPHEMERAL_REPORT, &eph).is_empty());
+    }
+}

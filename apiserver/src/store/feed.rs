@@ -1,0 +1,229 @@
+//! The change feed: one task per process reads new change-log entries in resourceVersion order
+//! and fans them out to watchers over a broadcast channel.
+//!
+//! The database is the only source of truth. Local writes wake the feed directly; on PostgreSQL
+//! writes from other processes wake it through `LISTEN reports_server_changes`; a poll interval
+//! covers everything else (and lost notifications). A watcher that falls behind the broadcast
+//! buffer is cut off (its stream ends and the client resumes from its last resourceVersion):
+//! a slow watcher never slows writers or other watchers.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use sea_orm::sea_query::{Expr, ExprTrait, Order, Query};
+use sea_orm::{ConnectionTrait, DbBackend};
+use serde_json::Value;
+use tokio::sync::{Notify, broadcast};
+
+use super::migration::m20261121_000001_initial::Changes;
+use super::{Store, StoreError, parse_document};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventType {
+    Added,
+    Modified,
+    Deleted,
+}
+
+impl EventType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Added => "ADDED",
+            EventType::Modified => "MODIFIED",
+            EventType::Deleted => "DELETED",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "ADDED" => Some(EventType::Added),
+            "MODIFIED" => Some(EventType::Modified),
+            "DELETED" => Some(EventType::Deleted),
+            _ => None,
+        }
+    }
+}
+
+/// One change-log entry.
+#[derive(Clone, Debug)]
+pub struct Change {
+    pub resource_version: i64,
+    /// `<plural>.<group>`.
+    pub resource: String,
+    pub namespace: String,
+    pub name: String,
+    pub event: EventType,
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Labels before this change (`None` for creations).
+    pub prev_labels: Option<std::collections::BTreeMap<String, String>>,
+    pub object: Arc<Value>,
+}
+
+/// Capacity of the fan-out buffer; a watcher more than this many events behind is cut off.
+const BROADCAST_CAPACITY: usize = 16_384;
+/// Entries read per query while catching up.
+const BATCH: u64 = 1_000;
+
+#[derive(Clone)]
+pub struct ChangeFeed {
+    inner: Arc<FeedInner>,
+}
+
+struct FeedInner {
+    sender: broadcast::Sender<Arc<Change>>,
+    wake: Notify,
+    /// Highest resourceVersion broadcast so far.
+    delivered: AtomicI64,
+    /// Held while broadcasting and while a watcher subscribes, so a watcher knows exactly which
+    /// entries it will receive live and which it must read from the log.
+    gate: tokio::sync::Mutex<()>,
+}
+
+impl Default for ChangeFeed {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ChangeFeed {
+    pub fn new() -> Self {
+        let (sender, _) = broadcast::channel(BROADCAST_CAPACITY);
+        ChangeFeed {
+            inner: Arc::new(FeedInner { sender, wake: Notify::new(), delivered: AtomicI64::new(0), gate: Default::default() }),
+        }
+    }
+
+    /// Asks the feed to look for new entries now.
+    pub fn wake(&self) {
+        self.inner.wake.notify_one();
+    }
+
+    /// Subscribes to live changes. Returns the receiver and the highest resourceVersion already
+    /// broadcast: everything after it arrives on the receiver, everything up to it must be read
+    /// from the change log.
+    pub async fn subscribe(&self) -> (broadcast::Receiver<Arc<Change>>, i64) {
+        let _gate = self.inner.gate.lock().await;
+        (self.inner.sender.subscribe(), self.inner.delivered.load(Ordering::SeqCst))
+    }
+
+    /// Highest resourceVersion broadcast so far.
+    pub fn delivered(&self) -> i64 {
+        self.inner.delivered.load(Ordering::SeqCst)
+    }
+
+    pub(super) async fn start(&self, store: Store) -> Result<(), StoreError> {
+        let (current, _) = store.versions().await?;
+        self.inner.delivered.store(current, Ordering::SeqCst);
+        if store.backend() == DbBackend::Postgres {
+            spawn_pg_listener(store.clone(), self.clone());
+        }
+        let feed = self.clone();
+        tokio::spawn(async move { feed.run(store).await });
+        Ok(())
+    }
+
+    async fn run(self, store: Store) {
+        let poll = store.options().poll_interval;
+        let mut last_compaction = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                _ = self.inner.wake.notified() => {}
+                _ = tokio::time::sleep(poll) => {}
+            }
+            if let Err(e) = self.catch_up(&store).await {
+                tracing::warn!(error = %e, "change feed could not read the change log; retrying");
+                tokio::time::sleep(poll).await;
+            }
+            if last_compaction.elapsed() > std::time::Duration::from_secs(30) {
+                last_compaction = tokio::time::Instant::now();
+                if let Err(e) = store.compact().await {
+                    tracing::warn!(error = %e, "change-log compaction failed");
+                }
+            }
+        }
+    }
+
+    async fn catch_up(&self, store: &Store) -> Result<(), StoreError> {
+        loop {
+            let from = self.delivered();
+            let changes = read_changes(store, from, None, BATCH).await?;
+            if changes.is_empty() {
+                return Ok(());
+            }
+            let full = changes.len() as u64 == BATCH;
+            let _gate = self.inner.gate.lock().await;
+            for change in changes {
+                self.inner.delivered.store(change.resource_version, Ordering::SeqCst);
+                // No receivers is fine: nobody is watching.
+                let _ = self.inner.sender.send(Arc::new(change));
+            }
+            if !full {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Reads change-log entries with `after < rv <= up_to`, in order.
+pub async fn read_changes(store: &Store, after: i64, up_to: Option<i64>, limit: u64) -> Result<Vec<Change>, StoreError> {
+    let mut q = Query::select();
+    q.columns([Changes::Rv, Changes::Resource, Changes::Namespace, Changes::Name, Changes::EventType, Changes::Labels, Changes::PrevLabels, Changes::Body])
+        .from(Changes::Table)
+        .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
+        .and_where(Expr::col(Changes::Rv).gt(after))
+        .order_by(Changes::Rv, Order::Asc)
+        .limit(limit);
+    if let Some(up_to) = up_to {
+        q.and_where(Expr::col(Changes::Rv).lte(up_to));
+    }
+    let rows = store.connection().query_all(&q).await?;
+    rows.iter()
+        .map(|r| {
+            let rv: i64 = r.try_get("", "rv")?;
+            let event: String = r.try_get("", "event_type")?;
+            let labels: String = r.try_get("", "labels")?;
+            let body: String = r.try_get("", "body")?;
+            let prev_labels: String = r.try_get("", "prev_labels")?;
+            Ok(Change {
+                resource_version: rv,
+                resource: r.try_get("", "resource")?,
+                namespace: r.try_get("", "namespace")?,
+                name: r.try_get("", "name")?,
+                event: EventType::parse(&event).ok_or_else(|| StoreError::Corrupt(format!("change {rv}"), event.clone()))?,
+                labels: serde_json::from_str(&labels).map_err(|e| StoreError::Corrupt(format!("change {rv} labels"), e.to_string()))?,
+                prev_labels: serde_json::from_str(&prev_labels)
+                    .map_err(|e| StoreError::Corrupt(format!("change {rv} previous labels"), e.to_string()))?,
+                object: Arc::new(parse_document(&format!("change {rv}"), &body)?),
+            })
+        })
+        .collect()
+}
+
+fn spawn_pg_listener(store: Store, feed: ChangeFeed) {
+    tokio::spawn(async move {
+        loop {
+            let pool = store.connection().get_postgres_connection_pool().clone();
+            match sqlx::postgres::PgListener::connect_with(&pool).await {
+                Ok(mut listener) => {
+                    if let Err(e) = listener.listen("reports_server_changes").await {
+                        tracing::warn!(error = %e, "LISTEN failed; relying on polling");
+                    } else {
+                        // Anything committed while we were not listening is picked up here.
+                        feed.wake();
+                        loop {
+                            match listener.recv().await {
+                                Ok(_) => feed.wake(),
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot open a LISTEN connection; relying on polling"),
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    });
+}

@@ -1,0 +1,19 @@
+//! Versioned schema migrations (sea-orm-migration).
+//!
+//! Migrations run at start-up (`reports-server serve`) and from `reports-server migrate`. They are
+//! idempotent (`IF NOT EXISTS`) and sea-orm-migration records applied versions in
+//! `seaql_migrations`, so several replicas starting at once converge; on PostgreSQL the runner
+//! additionally takes an advisory lock (see `Store::migrate`).
+
+use sea_orm_migration::prelude::*;
+
+pub(crate) mod m20261121_000001_initial;
+
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![Box::new(m20261121_000001_initial::Migration)]
+    }
+}

@@ -1,0 +1,233 @@
+//! The SQL store behind the API: objects with indexed metadata, labels, a commit-ordered
+//! resourceVersion, a change log for watches and one row per policy result.
+//!
+//! # resourceVersion
+//! One 64-bit counter per `cluster_id` lives in `store_state`. Every write transaction starts by
+//! incrementing it (`UPDATE … SET rv = rv + 1`), which takes the row lock and holds it until
+//! commit. Writers are therefore serialized and commit in counter order, on every backend and
+//! across replicas sharing a database, so a reader that has seen rv N has seen every rv < N: the
+//! change log has no gaps for watchers to fall into (a plain sequence would not give this).
+//!
+//! # Change log
+//! Each write appends `(rv, resource, namespace, name, type, labels, object)` to `changes` in the
+//! same transaction. Watches replay it from any retained rv; older requests get 410 Expired.
+//! Retention is bounded by age and count (see [`StoreOptions`]).
+
+pub mod columns;
+pub mod feed;
+pub mod migration;
+mod read;
+mod write;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use reports_server_crds::ResourceDescriptor;
+use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, Statement};
+use sea_orm_migration::MigratorTrait;
+use serde_json::Value;
+
+pub use feed::{Change, ChangeFeed, EventType};
+pub use read::{ListPage, ListQuery, ListRow};
+pub use write::{Mutation, WriteOutcome};
+
+/// The addressing of one object in a batch write.
+pub mod write_target {
+    pub use super::write::Target;
+}
+
+/// Errors of the store. Handlers map them to Kubernetes `Status` responses.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("the database is unavailable: {0}")]
+    Unavailable(String),
+    #[error("database error: {0}")]
+    Database(String),
+    #[error("stored object {0} is corrupt: {1}")]
+    Corrupt(String, String),
+    #[error("an object with this name already exists")]
+    AlreadyExists,
+}
+
+impl From<DbErr> for StoreError {
+    fn from(e: DbErr) -> Self {
+        let text = e.to_string();
+        let lower = text.to_lowercase();
+        if matches!(e, DbErr::ConnectionAcquire(_) | DbErr::Conn(_))
+            || lower.contains("connection refused")
+            || lower.contains("pool timed out")
+            || lower.contains("broken pipe")
+            || lower.contains("connection reset")
+            || lower.contains("terminating connection")
+            || lower.contains("the database system is")
+            || lower.contains("unable to open database")
+        {
+            StoreError::Unavailable(text)
+        } else {
+            StoreError::Database(text)
+        }
+    }
+}
+
+/// Tunables of the store; the CLI exposes each as a flag.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// `sqlite://path?mode=rwc`, `postgres://…` or `mysql://…`.
+    pub database_url: String,
+    /// Partition key so several clusters can share one database (the peer uses the kube-system
+    /// namespace UID).
+    pub cluster_id: String,
+    pub max_connections: u32,
+    /// Change-log entries younger than this are always kept for resuming watches.
+    pub watch_history: Duration,
+    /// Upper bound on retained change-log entries (the newest are kept).
+    pub watch_history_max_events: i64,
+    /// How often the change feed polls when nothing woke it (other processes on SQLite/MySQL).
+    pub poll_interval: Duration,
+}
+
+impl StoreOptions {
+    pub fn new(database_url: impl Into<String>) -> Self {
+        StoreOptions {
+            database_url: database_url.into(),
+            cluster_id: "default".into(),
+            max_connections: 10,
+            watch_history: Duration::from_secs(600),
+            watch_history_max_events: 100_000,
+            poll_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// A handle on the database; cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    db: DatabaseConnection,
+    backend: DbBackend,
+    cluster_id: Arc<str>,
+    options: Arc<StoreOptions>,
+    /// Serializes this process's write transactions; the counter row lock serializes them across
+    /// processes. Holding it here keeps SQLite from spinning on busy timeouts.
+    write_lock: Arc<tokio::sync::Mutex<()>>,
+    feed: ChangeFeed,
+}
+
+impl Store {
+    /// Connects, runs migrations and starts the change feed.
+    pub async fn connect(options: StoreOptions) -> Result<Self, StoreError> {
+        let mut connect = ConnectOptions::new(options.database_url.clone());
+        connect
+            .max_connections(options.max_connections)
+            .min_connections(1)
+            .connect_timeout(Duration::from_secs(10))
+            .acquire_timeout(Duration::from_secs(10))
+            .sqlx_logging(false);
+        if options.database_url.starts_with("sqlite:") {
+            connect.map_sqlx_sqlite_opts(|o| {
+                o.journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                    .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
+                    .busy_timeout(Duration::from_secs(30))
+                    .foreign_keys(false)
+            });
+        }
+        let db = Database::connect(connect).await?;
+        let backend = db.get_database_backend();
+        let store = Store {
+            backend,
+            cluster_id: options.cluster_id.clone().into(),
+            feed: ChangeFeed::new(),
+            db,
+            options: Arc::new(options),
+            write_lock: Arc::new(tokio::sync::Mutex::new(())),
+        };
+        store.migrate().await?;
+        store.ensure_state_row().await?;
+        store.feed.start(store.clone()).await?;
+        Ok(store)
+    }
+
+    /// Applies pending migrations. On PostgreSQL an advisory lock keeps concurrent replicas from
+    /// racing; elsewhere the idempotent DDL and the migrations table make a race harmless.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        if self.backend == DbBackend::Postgres {
+            // The lock is per session, so take it on a dedicated transaction-scoped lock instead.
+            let txn = sea_orm::TransactionTrait::begin(&self.db).await?;
+            txn.execute_unprepared("SELECT pg_advisory_xact_lock(7242519)").await?;
+            let result = migration::Migrator::up(&txn, None).await;
+            match result {
+                Ok(()) => txn.commit().await?,
+                Err(e) => {
+                    txn.rollback().await.ok();
+                    return Err(e.into());
+                }
+            }
+            return Ok(());
+        }
+        migration::Migrator::up(&self.db, None).await?;
+        Ok(())
+    }
+
+    async fn ensure_state_row(&self) -> Result<(), StoreError> {
+        let sql = match self.backend {
+            DbBackend::MySql => "INSERT IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, 0, 0)",
+            DbBackend::Postgres => {
+                "INSERT INTO store_state (cluster_id, rv, compacted_rv) VALUES ($1, 0, 0) ON CONFLICT DO NOTHING"
+            }
+            _ => "INSERT OR IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, 0, 0)",
+        };
+        self.db
+            .execute_raw(Statement::from_sql_and_values(self.backend, sql, [self.cluster_id.to_string().into()]))
+            .await?;
+        Ok(())
+    }
+
+    pub fn backend(&self) -> DbBackend {
+        self.backend
+    }
+
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    pub fn options(&self) -> &StoreOptions {
+        &self.options
+    }
+
+    pub fn feed(&self) -> &ChangeFeed {
+        &self.feed
+    }
+
+    pub(crate) fn connection(&self) -> &DatabaseConnection {
+        &self.db
+    }
+
+    /// Fails when the database does not answer; `/readyz` uses it.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.db.ping().await.map_err(|e| StoreError::Unavailable(e.to_string()))
+    }
+
+    /// The newest committed resourceVersion and the oldest one a watch can resume from.
+    pub async fn versions(&self) -> Result<(i64, i64), StoreError> {
+        read::versions(&self.db, self.backend, &self.cluster_id).await
+    }
+
+    /// The resource key used in the `resource` columns: `<plural>.<group>`.
+    pub fn resource_key(desc: &ResourceDescriptor) -> String {
+        desc.crd_name()
+    }
+
+    /// Deletes change-log entries beyond the retention bounds and records the horizon.
+    pub async fn compact(&self) -> Result<i64, StoreError> {
+        write::compact(self).await
+    }
+}
+
+/// Decodes a stored JSON document (bodies returned by lists).
+pub fn parse_document_public(what: &str, text: &str) -> Result<Value, StoreError> {
+    parse_document(what, text)
+}
+
+/// Reads a JSON document column.
+pub(crate) fn parse_document(what: &str, text: &str) -> Result<Value, StoreError> {
+    serde_json::from_str(text).map_err(|e| StoreError::Corrupt(what.to_owned(), e.to_string()))
+}
