@@ -78,6 +78,9 @@ struct ServeArgs {
     /// At most this many change-log entries are kept.
     #[arg(long, env = "REPORTS_SERVER_WATCH_HISTORY_MAX_EVENTS", default_value_t = 100_000)]
     watch_history_max_events: i64,
+    /// Seconds between change-log compactions.
+    #[arg(long, env = "REPORTS_SERVER_COMPACTION_INTERVAL_SECONDS", default_value_t = 30)]
+    compaction_interval_seconds: u64,
 }
 
 fn default_data_dir() -> String {
@@ -143,6 +146,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut store = args.database.store_options()?;
     store.watch_history = Duration::from_secs(args.watch_history_seconds);
     store.watch_history_max_events = args.watch_history_max_events;
+    store.compaction_interval = Duration::from_secs(args.compaction_interval_seconds.max(1));
     let data_dir = PathBuf::from(&args.database.data_dir);
     let kubeconfig = args.write_kubeconfig.clone().unwrap_or_else(|| data_dir.join("kubeconfig"));
     let config = StandaloneConfig {

@@ -315,7 +315,7 @@ impl ControlPlane {
         let admin = kube_client_for(&cp.kubeconfig).await?;
         cp.wait_ready(Component::KubeApiserver, opts.startup_timeout, || {
             let admin = admin.clone();
-            async move { expect_ok(&admin, "/readyz?verbose").await }
+            async move { expect_ok(&admin, "/readyz").await }
         })
         .await?;
         let apiserver_time = t.elapsed();

@@ -134,7 +134,7 @@ impl ChangeFeed {
                 tracing::warn!(error = %e, "change feed could not read the change log; retrying");
                 tokio::time::sleep(poll).await;
             }
-            if last_compaction.elapsed() > std::time::Duration::from_secs(30) {
+            if last_compaction.elapsed() >= store.options().compaction_interval {
                 last_compaction = tokio::time::Instant::now();
                 if let Err(e) = store.compact().await {
                     tracing::warn!(error = %e, "change-log compaction failed");

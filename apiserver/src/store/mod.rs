@@ -84,6 +84,8 @@ pub struct StoreOptions {
     pub watch_history_max_events: i64,
     /// How often the change feed polls when nothing woke it (other processes on SQLite/MySQL).
     pub poll_interval: Duration,
+    /// How often old change-log entries are deleted.
+    pub compaction_interval: Duration,
 }
 
 impl StoreOptions {
@@ -95,6 +97,7 @@ impl StoreOptions {
             watch_history: Duration::from_secs(600),
             watch_history_max_events: 100_000,
             poll_interval: Duration::from_secs(1),
+            compaction_interval: Duration::from_secs(30),
         }
     }
 }
