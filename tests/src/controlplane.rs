@@ -164,6 +164,54 @@ impl CertPair {
     }
 }
 
+/// An APIService served by a process on this machine (see
+/// [`ControlPlane::register_external_apiservice`]).
+#[derive(Debug, Clone)]
+pub struct ExternalApiService {
+    pub group: String,
+    pub version: String,
+    /// Namespace of the ExternalName Service (created if missing).
+    pub service_namespace: String,
+    pub service_name: String,
+    /// What the Service points at; the aggregator dials `https://<external_name>:<port>`.
+    pub external_name: String,
+    /// The port the server listens on (APIService `spec.service.port`; the ExternalName
+    /// Service's own ports are not consulted).
+    pub port: u16,
+    /// `caBundle` that verifies the server certificate, whose SANs must include
+    /// `<service_name>.<service_namespace>.svc`; `None` sets `insecureSkipTLSVerify`.
+    pub ca_bundle_pem: Option<String>,
+    pub group_priority_minimum: i32,
+    pub version_priority: i32,
+}
+
+impl ExternalApiService {
+    /// `group`/`version` served on `localhost:port` through Service `reports-system/reports-api`.
+    pub fn new(group: &str, version: &str, port: u16) -> Self {
+        Self {
+            group: group.into(),
+            version: version.into(),
+            service_namespace: "reports-system".into(),
+            service_name: "reports-api".into(),
+            external_name: "localhost".into(),
+            port,
+            ca_bundle_pem: None,
+            group_priority_minimum: 1000,
+            version_priority: 15,
+        }
+    }
+
+    /// The APIService's name, `<version>.<group>`.
+    pub fn name(&self) -> String {
+        format!("{}.{}", self.version, self.group)
+    }
+
+    /// The DNS name the aggregator verifies in the server certificate.
+    pub fn server_name(&self) -> String {
+        format!("{}.{}.svc", self.service_name, self.service_namespace)
+    }
+}
+
 struct Proc {
     component: Component,
     child: Child,
@@ -539,6 +587,126 @@ impl ControlPlane {
             .cas
             .leaf(&self.users_dir(), &stem, &subject, "serverAuth", sans, CaKind::Cluster)
             .await
+    }
+
+    /// Makes kube-apiserver's aggregator route `/apis/<group>/<version>` to a server listening on
+    /// this machine: applies (server-side) the Service's namespace, an `ExternalName` Service
+    /// pointing at `svc.external_name` (default `localhost`) and the APIService
+    /// `<version>.<group>` with `service.port = svc.port`. Wait with
+    /// [`ControlPlane::wait_apiservice_available`]; delete the APIService before stopping the
+    /// server, or namespace deletion blocks on failed discovery.
+    pub async fn register_external_apiservice(&self, svc: &ExternalApiService) -> Result<()> {
+        use k8s_openapi::{
+            api::core::v1::{Namespace, Service, ServiceSpec},
+            kube_aggregator::pkg::apis::apiregistration::v1::{
+                APIService, APIServiceSpec, ServiceReference,
+            },
+        };
+        use kube::api::{ObjectMeta, Patch, PatchParams};
+        let client = self.client().await?;
+        let pp = PatchParams::apply("reports-server-e2e").force();
+        let ns = Namespace {
+            metadata: ObjectMeta {
+                name: Some(svc.service_namespace.clone()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        kube::Api::<Namespace>::all(client.clone())
+            .patch(&svc.service_namespace, &pp, &Patch::Apply(&ns))
+            .await
+            .with_context(|| format!("applying namespace {}", svc.service_namespace))?;
+        let service = Service {
+            metadata: ObjectMeta {
+                name: Some(svc.service_name.clone()),
+                namespace: Some(svc.service_namespace.clone()),
+                ..Default::default()
+            },
+            spec: Some(ServiceSpec {
+                type_: Some("ExternalName".into()),
+                external_name: Some(svc.external_name.clone()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        kube::Api::<Service>::namespaced(client.clone(), &svc.service_namespace)
+            .patch(&svc.service_name, &pp, &Patch::Apply(&service))
+            .await
+            .with_context(|| format!("applying service {}", svc.service_name))?;
+        let api_service = APIService {
+            metadata: ObjectMeta {
+                name: Some(svc.name()),
+                ..Default::default()
+            },
+            spec: Some(APIServiceSpec {
+                group: Some(svc.group.clone()),
+                version: Some(svc.version.clone()),
+                group_priority_minimum: svc.group_priority_minimum,
+                version_priority: svc.version_priority,
+                service: Some(ServiceReference {
+                    namespace: Some(svc.service_namespace.clone()),
+                    name: Some(svc.service_name.clone()),
+                    port: Some(i32::from(svc.port)),
+                }),
+                ca_bundle: svc
+                    .ca_bundle_pem
+                    .as_ref()
+                    .map(|pem| k8s_openapi::ByteString(pem.as_bytes().to_vec())),
+                insecure_skip_tls_verify: svc.ca_bundle_pem.is_none().then_some(true),
+            }),
+            ..Default::default()
+        };
+        kube::Api::<APIService>::all(client)
+            .patch(&svc.name(), &pp, &Patch::Apply(&api_service))
+            .await
+            .with_context(|| format!("applying APIService {}", svc.name()))?;
+        Ok(())
+    }
+
+    /// Waits until APIService `name` (e.g. `v1alpha2.wgpolicyk8s.io`) has `Available=True`.
+    pub async fn wait_apiservice_available(&self, name: &str, timeout: Duration) -> Result<()> {
+        use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+        let api = kube::Api::<APIService>::all(self.client().await?);
+        let deadline = Instant::now() + timeout;
+        loop {
+            let current = api.get_opt(name).await?;
+            let cond = current
+                .as_ref()
+                .and_then(|a| a.status.as_ref())
+                .and_then(|s| s.conditions.as_ref())
+                .and_then(|c| c.iter().find(|c| c.type_ == "Available"))
+                .cloned();
+            match &cond {
+                Some(c) if c.status == "True" => return Ok(()),
+                _ if Instant::now() >= deadline => {
+                    bail!(
+                        "APIService {name} not Available after {timeout:?}: {}",
+                        match (&current, cond) {
+                            (None, _) => "it does not exist".to_string(),
+                            (Some(_), None) => "no Available condition yet".to_string(),
+                            (Some(_), Some(c)) => format!(
+                                "{} {}: {}",
+                                c.status,
+                                c.reason.unwrap_or_default(),
+                                c.message.unwrap_or_default()
+                            ),
+                        }
+                    )
+                }
+                _ => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
+        }
+    }
+
+    /// Deletes APIService `name` (no error if it does not exist).
+    pub async fn delete_apiservice(&self, name: &str) -> Result<()> {
+        use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+        let api = kube::Api::<APIService>::all(self.client().await?);
+        match api.delete(name, &Default::default()).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Stops every process (SIGTERM to its process group, SIGKILL after a grace period), in
@@ -1225,7 +1393,7 @@ async fn http_get_plain(addr: &str, path: &str) -> Result<(u16, String)> {
 }
 
 /// `N` distinct free TCP ports on 127.0.0.1 (bound together, then released).
-fn free_ports<const N: usize>() -> Result<[u16; N]> {
+pub fn free_ports<const N: usize>() -> Result<[u16; N]> {
     let listeners = (0..N)
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
         .collect::<io::Result<Vec<_>>>()

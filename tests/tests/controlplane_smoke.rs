@@ -17,7 +17,9 @@ use kube::{
     Api,
     api::{DeleteParams, ObjectMeta, PostParams, PropagationPolicy},
 };
-use reports_server_tests::controlplane::{ControlPlane, ControlPlaneOptions};
+use reports_server_tests::controlplane::{
+    Component, ControlPlane, ControlPlaneOptions, ExternalApiService, free_ports,
+};
 
 fn require_kubectl() {
     let ok = Command::new("kubectl")
@@ -178,7 +180,7 @@ async fn control_plane_smoke() -> Result<()> {
         format!(
             "kube-controller-manager log tail:\n{}",
             cp.log_tail(
-                reports_server_tests::controlplane::Component::KubeControllerManager,
+                Component::KubeControllerManager,
                 30
             )
         )
@@ -186,6 +188,71 @@ async fn control_plane_smoke() -> Result<()> {
     let ns = kubectl(kc, &["get", "ns", "-o", "name"])?;
     assert!(!ns.contains(&format!("namespace/{name}")), "{ns}");
 
+    aggregation_through_external_name(&cp).await?;
+
     cp.stop().await?;
+    Ok(())
+}
+
+/// The aggregation wiring the project's e2e tests rely on: an APIService whose Service is an
+/// ExternalName to `localhost`, a server on a loopback port with a certificate for
+/// `<svc>.<ns>.svc` signed by the cluster CA (caBundle), that requires a client certificate from
+/// the front-proxy CA. `openssl s_server -WWW` plays the extension server.
+async fn aggregation_through_external_name(cp: &ControlPlane) -> Result<()> {
+    let [port] = free_ports::<1>()?;
+    let mut svc = ExternalApiService::new("smoke.e2e.example.com", "v1", port);
+    svc.service_namespace = "smoke-aggregation".into();
+    svc.service_name = "smoke-api".into();
+    svc.ca_bundle_pem = Some(cp.ca_pem().to_string());
+    let cert = cp
+        .issue_serving_cert("smoke-api", &[&svc.server_name(), "localhost", "127.0.0.1", "::1"])
+        .await?;
+
+    let www = cp.dir().join("smoke-www");
+    let gv_dir = www.join("apis").join(&svc.group);
+    std::fs::create_dir_all(&gv_dir)?;
+    let body = format!(
+        r#"{{"kind":"APIResourceList","apiVersion":"v1","groupVersion":"{}/{}","resources":[]}}"#,
+        svc.group, svc.version
+    );
+    std::fs::write(gv_dir.join(&svc.version), &body)?;
+    let log = cp.dir().join("logs/smoke-s_server.log");
+    let mut server = tokio::process::Command::new("openssl")
+        .args(["s_server", "-accept"])
+        .arg(port.to_string())
+        .arg("-cert")
+        .arg(&cert.cert_path)
+        .arg("-key")
+        .arg(&cert.key_path)
+        // Require a client certificate signed by the front-proxy CA.
+        .args(["-Verify", "1", "-verify_return_error", "-CAfile"])
+        .arg(cp.front_proxy_ca_path())
+        .args(["-WWW", "-quiet"])
+        .current_dir(&www)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&log)?)
+        .stderr(std::fs::File::create(&log)?)
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting openssl s_server")?;
+
+    cp.register_external_apiservice(&svc).await?;
+    let available = cp
+        .wait_apiservice_available(&svc.name(), Duration::from_secs(60))
+        .await;
+    let proxied = kubectl(
+        cp.kubeconfig_path(),
+        &["get", "--raw", &format!("/apis/{}/{}", svc.group, svc.version)],
+    );
+    cp.delete_apiservice(&svc.name()).await?;
+    server.kill().await?;
+    let server_log = std::fs::read_to_string(&log).unwrap_or_default();
+    available.with_context(|| format!("s_server log:\n{server_log}"))?;
+    let proxied = proxied?;
+    assert!(
+        proxied.contains(&format!("\"groupVersion\":\"{}/{}\"", svc.group, svc.version)),
+        "unexpected body through the aggregator: {proxied}"
+    );
+    eprintln!("[smoke] aggregator -> ExternalName localhost:{port} -> s_server: ok");
     Ok(())
 }

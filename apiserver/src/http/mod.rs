@@ -1,6 +1,7 @@
 //! The axum router that speaks the Kubernetes API for the report kinds.
 
 pub mod discovery;
+pub mod fields;
 pub mod negotiate;
 pub mod objects;
 pub mod openapi;

@@ -19,9 +19,69 @@ fn name_of(object: &Value) -> &str {
     object["metadata"]["name"].as_str().unwrap_or("")
 }
 
+/// How to treat unknown and duplicate fields (`fieldValidation`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FieldValidation {
+    Ignore,
+    /// The default: accept, prune, and say so in `Warning` headers.
+    #[default]
+    Warn,
+    Strict,
+}
+
+impl FieldValidation {
+    pub fn parse(value: Option<&str>) -> Self {
+        match value {
+            Some("Ignore") => Self::Ignore,
+            Some("Strict") => Self::Strict,
+            _ => Self::Warn,
+        }
+    }
+}
+
+/// Field validation settings of one request plus the duplicate keys found in its raw body.
+#[derive(Clone, Debug, Default)]
+pub struct Validation {
+    pub mode: FieldValidation,
+    pub duplicates: Vec<String>,
+}
+
+impl Validation {
+    pub fn new(mode: FieldValidation, raw_json: Option<&[u8]>) -> Self {
+        let duplicates = match (mode, raw_json) {
+            (FieldValidation::Ignore, _) | (_, None) => Vec::new(),
+            (_, Some(raw)) => super::fields::duplicate_fields(raw),
+        };
+        Validation { mode, duplicates }
+    }
+
+    /// Applies the mode to the problems found: an error for Strict, warnings for Warn.
+    fn judge(&self, unknown: Vec<String>) -> Result<Vec<String>, ApiError> {
+        if self.mode == FieldValidation::Ignore {
+            return Ok(Vec::new());
+        }
+        let problems: Vec<String> = unknown
+            .into_iter()
+            .map(|f| format!("unknown field \"{f}\""))
+            .chain(self.duplicates.iter().map(|f| format!("duplicate field \"{f}\"")))
+            .collect();
+        if self.mode == FieldValidation::Strict && !problems.is_empty() {
+            return Err(ApiError::bad_request(format!("strict decoding error: {}", problems.join(", "))));
+        }
+        Ok(problems)
+    }
+}
+
 /// Checks `apiVersion`/`kind` (filling them in when absent), the namespace against the URL and
-/// the schema; returns the canonical (pruned) object.
-pub fn check_and_normalize(path: &ResourcePath, mut object: Value) -> Result<Value, ApiError> {
+/// the schema; returns the canonical (pruned) object and field-validation warnings.
+pub fn check_and_normalize(path: &ResourcePath, object: Value, validation: &Validation) -> Result<(Value, Vec<String>), ApiError> {
+    let sent = object.clone();
+    let kept = check_and_prune(path, object)?;
+    let warnings = validation.judge(super::fields::unknown_fields(&sent, &kept))?;
+    Ok((kept, warnings))
+}
+
+fn check_and_prune(path: &ResourcePath, mut object: Value) -> Result<Value, ApiError> {
     let desc = path.resource;
     let Some(map) = object.as_object_mut() else {
         return Err(ApiError::bad_request(format!("the request body must be a {} object", desc.kind)));
@@ -99,9 +159,9 @@ fn random_suffix() -> String {
 
 /// Prepares an object for creation: resolves `generateName`, validates the name and sets the
 /// server-owned metadata. Returns the object and its name.
-pub fn prepare_create(path: &ResourcePath, object: Value) -> Result<(Value, String), ApiError> {
+pub fn prepare_create(path: &ResourcePath, object: Value, validation: &Validation) -> Result<(Value, String, Vec<String>), ApiError> {
     let desc = path.resource;
-    let mut object = check_and_normalize(path, object)?;
+    let (mut object, warnings) = check_and_normalize(path, object, validation)?;
     let meta = object["metadata"].as_object_mut().expect("normalized objects have metadata");
     if meta.get("resourceVersion").and_then(Value::as_str).is_some_and(|rv| !rv.is_empty()) {
         return Err(ApiError::bad_request("resourceVersion should not be set on objects to be created"));
@@ -125,7 +185,7 @@ pub fn prepare_create(path: &ResourcePath, object: Value) -> Result<(Value, Stri
     if meta.get("labels").is_some_and(|l| l.as_object().is_some_and(|m| m.is_empty())) {
         meta.remove("labels");
     }
-    Ok((object, name))
+    Ok((object, name, warnings))
 }
 
 /// Everything but the metadata: what a generation bump looks at.
@@ -139,10 +199,16 @@ fn content(object: &Value) -> Map<String, Value> {
 
 /// Decides an update of `current` to `desired` (a PUT body or a patched object): optimistic
 /// concurrency, server-owned metadata, generation bump, finalizer-driven deletion.
-pub fn decide_update(path: &ResourcePath, name: &str, current: Option<Value>, desired: Value) -> Result<(Mutation, Value), ApiError> {
+pub fn decide_update(
+    path: &ResourcePath,
+    name: &str,
+    current: Option<Value>,
+    desired: Value,
+    validation: &Validation,
+) -> Result<(Mutation, Value, Vec<String>), ApiError> {
     let desc = path.resource;
     let current = current.ok_or_else(|| ApiError::not_found(desc, name))?;
-    let mut desired = check_and_normalize(path, desired)?;
+    let (mut desired, warnings) = check_and_normalize(path, desired, validation)?;
     let body_name = name_of(&desired);
     if body_name.is_empty() {
         desired["metadata"]["name"] = json!(name);
@@ -186,12 +252,12 @@ pub fn decide_update(path: &ResourcePath, name: &str, current: Option<Value>, de
     let terminating = current["metadata"].get("deletionTimestamp").is_some();
     let no_finalizers = desired["metadata"]["finalizers"].as_array().is_none_or(Vec::is_empty);
     if terminating && no_finalizers {
-        return Ok((Mutation::Delete, desired));
+        return Ok((Mutation::Delete, desired, warnings));
     }
     if desired == current {
-        return Ok((Mutation::Unchanged, current));
+        return Ok((Mutation::Unchanged, current, warnings));
     }
-    Ok((Mutation::Put(desired.clone()), desired))
+    Ok((Mutation::Put(desired.clone()), desired, warnings))
 }
 
 /// Delete preconditions from a `DeleteOptions` body.
@@ -258,6 +324,23 @@ mod tests {
     use super::*;
     use crate::http::request::parse_path;
 
+    const V: Validation = Validation { mode: FieldValidation::Warn, duplicates: Vec::new() };
+
+    #[test]
+    fn field_validation_modes() {
+        let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports");
+        let body = json!({"metadata": {"name": "x"}, "summry": {"pass": 1}});
+        let (obj, _, warnings) = prepare_create(&p, body.clone(), &V).unwrap();
+        assert_eq!(warnings, ["unknown field \"summry\""]);
+        assert!(obj.get("summry").is_none());
+        let strict = Validation { mode: FieldValidation::Strict, duplicates: vec!["metadata.name".into()] };
+        let err = prepare_create(&p, body.clone(), &strict).unwrap_err();
+        assert_eq!(err.code, 400);
+        assert!(err.message.contains("unknown field \"summry\"") && err.message.contains("duplicate field \"metadata.name\""), "{}", err.message);
+        let ignore = Validation { mode: FieldValidation::Ignore, duplicates: Vec::new() };
+        assert!(prepare_create(&p, body, &ignore).unwrap().2.is_empty());
+    }
+
     fn path(p: &str) -> ResourcePath {
         parse_path(p).unwrap()
     }
@@ -265,7 +348,7 @@ mod tests {
     #[test]
     fn create_sets_server_metadata_and_generate_name() {
         let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports");
-        let (obj, name) = prepare_create(&p, json!({"metadata": {"generateName": "r-", "uid": "mine"}})).unwrap();
+        let (obj, name, _) = prepare_create(&p, json!({"metadata": {"generateName": "r-", "uid": "mine"}}), &V).unwrap();
         assert!(name.starts_with("r-") && name.len() == 7, "{name}");
         assert_eq!(obj["metadata"]["namespace"], "ns");
         assert_eq!(obj["metadata"]["generation"], 1);
@@ -276,11 +359,11 @@ mod tests {
     #[test]
     fn create_rejects_bad_input() {
         let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports");
-        assert_eq!(prepare_create(&p, json!({"metadata": {}})).unwrap_err().code, 422);
-        assert_eq!(prepare_create(&p, json!({"metadata": {"name": "Bad_Name"}})).unwrap_err().code, 422);
-        assert_eq!(prepare_create(&p, json!({"kind": "Pod", "metadata": {"name": "x"}})).unwrap_err().code, 400);
-        assert_eq!(prepare_create(&p, json!({"metadata": {"name": "x", "namespace": "other"}})).unwrap_err().code, 400);
-        let err = prepare_create(&p, json!({"metadata": {"name": "x"}, "results": [{"policy": "p", "result": "maybe"}]})).unwrap_err();
+        assert_eq!(prepare_create(&p, json!({"metadata": {}}), &V).unwrap_err().code, 422);
+        assert_eq!(prepare_create(&p, json!({"metadata": {"name": "Bad_Name"}}), &V).unwrap_err().code, 422);
+        assert_eq!(prepare_create(&p, json!({"kind": "Pod", "metadata": {"name": "x"}}), &V).unwrap_err().code, 400);
+        assert_eq!(prepare_create(&p, json!({"metadata": {"name": "x", "namespace": "other"}}), &V).unwrap_err().code, 400);
+        let err = prepare_create(&p, json!({"metadata": {"name": "x"}, "results": [{"policy": "p", "result": "maybe"}]}), &V).unwrap_err();
         assert_eq!(err.code, 422);
         assert_eq!(err.details.unwrap()["causes"][0]["field"], "results[0].result");
     }
@@ -294,29 +377,29 @@ mod tests {
         // stale
         let mut stale = current.clone();
         stale["metadata"]["resourceVersion"] = json!("4");
-        assert_eq!(decide_update(&p, "x", Some(current.clone()), stale).unwrap_err().code, 409);
+        assert_eq!(decide_update(&p, "x", Some(current.clone()), stale, &V).unwrap_err().code, 409);
         // missing rv
         let mut norv = current.clone();
         norv["metadata"].as_object_mut().unwrap().remove("resourceVersion");
-        assert_eq!(decide_update(&p, "x", Some(current.clone()), norv).unwrap_err().code, 422);
+        assert_eq!(decide_update(&p, "x", Some(current.clone()), norv, &V).unwrap_err().code, 422);
         // label-only change keeps generation
         let mut relabel = current.clone();
         relabel["metadata"]["labels"] = json!({"a": "b"});
-        let (_, out) = decide_update(&p, "x", Some(current.clone()), relabel).unwrap();
+        let (_, out, _) = decide_update(&p, "x", Some(current.clone()), relabel, &V).unwrap();
         assert_eq!(out["metadata"]["generation"], 1);
         // content change bumps generation, server fields kept
         let mut changed = current.clone();
         changed["summary"]["pass"] = json!(2);
         changed["metadata"]["uid"] = json!("u");
         changed["metadata"]["creationTimestamp"] = json!("2030-01-01T00:00:00Z");
-        let (m, out) = decide_update(&p, "x", Some(current.clone()), changed).unwrap();
+        let (m, out, _) = decide_update(&p, "x", Some(current.clone()), changed, &V).unwrap();
         assert!(matches!(m, Mutation::Put(_)));
         assert_eq!(out["metadata"]["generation"], 2);
         assert_eq!(out["metadata"]["creationTimestamp"], "2024-01-01T00:00:00Z");
         // identical → no-op
-        assert!(matches!(decide_update(&p, "x", Some(current.clone()), current.clone()).unwrap().0, Mutation::Unchanged));
+        assert!(matches!(decide_update(&p, "x", Some(current.clone()), current.clone(), &V).unwrap().0, Mutation::Unchanged));
         // missing → 404
-        assert_eq!(decide_update(&p, "x", None, current).unwrap_err().code, 404);
+        assert_eq!(decide_update(&p, "x", None, current, &V).unwrap_err().code, 404);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 
 use super::negotiate::{Encoding, Negotiated, Representation, Target, negotiate};
-use super::objects::{DeletePreconditions, decide_delete, decide_update, prepare_create};
+use super::objects::{DeletePreconditions, FieldValidation, Validation, decide_delete, decide_update, prepare_create};
 use super::request::{Params, ResourcePath, decode_body};
 use super::status::ApiError;
 use super::table::{self, IncludeObject};
@@ -212,6 +212,22 @@ pub async fn list(state: &AppState, path: &ResourcePath, params: &Params, header
     }
 }
 
+/// Adds `Warning: 299 - "…"` headers, as kube-apiserver does for field-validation warnings.
+fn with_warnings(mut response: Response, warnings: &[String]) -> Response {
+    for w in warnings {
+        let text = format!("299 - \"{}\"", w.replace('"', "\\\""));
+        if let Ok(v) = HeaderValue::from_str(&text) {
+            response.headers_mut().append("warning", v);
+        }
+    }
+    response
+}
+
+fn validation(params: &Params, headers: &HeaderMap, body: &[u8]) -> Validation {
+    let json = content_type(headers).is_none_or(|c| c.split(';').next().unwrap_or("").trim().ends_with("json"));
+    Validation::new(FieldValidation::parse(params.field_validation.as_deref()), json.then_some(body))
+}
+
 fn content_type(headers: &HeaderMap) -> Option<&str> {
     headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok())
 }
@@ -219,7 +235,7 @@ fn content_type(headers: &HeaderMap) -> Option<&str> {
 pub async fn create(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap, body: Bytes) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
     let object = decode_body(content_type(headers), &body)?;
-    let (object, name) = prepare_create(path, object)?;
+    let (object, name, warnings) = prepare_create(path, object, &validation(params, headers, &body))?;
     let outcome = state
         .store
         .mutate(path.resource, path.object_namespace(), &name, params.dry_run, |current| {
@@ -231,21 +247,26 @@ pub async fn create(state: &AppState, path: &ResourcePath, params: &Params, head
         .await
         .map_err(|e: ApiError| if e.reason == "AlreadyExists" { ApiError::already_exists(path.resource, &name) } else { e })?;
     let object = outcome.object.expect("a create stores an object");
-    Ok(respond_object(StatusCode::CREATED, path, n, IncludeObject::default(), &object))
+    Ok(with_warnings(respond_object(StatusCode::CREATED, path, n, IncludeObject::default(), &object), &warnings))
 }
 
 pub async fn update(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap, body: Bytes) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
     let desired = decode_body(content_type(headers), &body)?;
     let name = path.name.clone().expect("update has a name");
+    let validation = validation(params, headers, &body);
+    let mut warnings = Vec::new();
     let outcome = state
         .store
         .mutate(path.resource, path.object_namespace(), &name, params.dry_run, |current| {
-            decide_update(path, &name, current, desired).map(|(m, _)| m)
+            decide_update(path, &name, current, desired, &validation).map(|(m, _, w)| {
+                warnings = w;
+                m
+            })
         })
         .await?;
     let object = outcome.object.unwrap_or(Value::Null);
-    Ok(respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object))
+    Ok(with_warnings(respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object), &warnings))
 }
 
 /// The patch formats CRD storage accepts, minus server-side apply.
@@ -280,6 +301,8 @@ pub async fn patch(state: &AppState, path: &ResourcePath, params: &Params, heade
         }
     };
     let name = path.name.clone().expect("patch has a name");
+    let validation = validation(params, headers, &body);
+    let mut warnings = Vec::new();
     let outcome = state
         .store
         .mutate(path.resource, path.object_namespace(), &name, params.dry_run, |current| {
@@ -291,11 +314,14 @@ pub async fn patch(state: &AppState, path: &ResourcePath, params: &Params, heade
                 })?,
                 None => json_patch::merge(&mut patched, &patch),
             }
-            decide_update(path, &name, Some(current), patched).map(|(m, _)| m)
+            decide_update(path, &name, Some(current), patched, &validation).map(|(m, _, w)| {
+                warnings = w;
+                m
+            })
         })
         .await?;
     let object = outcome.object.unwrap_or(Value::Null);
-    Ok(respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object))
+    Ok(with_warnings(respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object), &warnings))
 }
 
 fn delete_options(headers: &HeaderMap, body: &Bytes, params: &Params) -> Result<DeletePreconditions, ApiError> {

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 use tokio::sync::broadcast::error::RecvError;
 
-use super::negotiate::Target;
+use super::negotiate::{Negotiated, Representation, Target};
 use super::request::{Params, ResourcePath};
 use super::resources::{accept, include_object, render_object};
 use super::status::ApiError;
@@ -76,18 +76,35 @@ fn error_event(e: &ApiError) -> Bytes {
 pub async fn watch(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Collection)?;
     let include = include_object(params)?;
-    if params.send_initial_events.is_some() {
+    if params.send_initial_events.is_some() && params.resource_version_match.as_deref() != Some("NotOlderThan") {
         return Err(ApiError::invalid(
             path.resource,
             "",
-            vec![("sendInitialEvents".into(), "Forbidden: streaming lists are not supported by this server version; use LIST then WATCH".into(), "FieldValueForbidden")],
+            vec![("resourceVersionMatch".into(), "Forbidden: sendInitialEvents requires setting resourceVersionMatch to NotOlderThan".into(), "FieldValueForbidden")],
         ));
+    }
+    if params.send_initial_events == Some(true) && !params.allow_watch_bookmarks {
+        return Err(ApiError::invalid(
+            path.resource,
+            "",
+            vec![("allowWatchBookmarks".into(), "Forbidden: sendInitialEvents requires allowWatchBookmarks=true".into(), "FieldValueForbidden")],
+        ));
+    }
+    if params.send_initial_events.is_none() && params.resource_version_match.is_some() {
+        return Err(ApiError::bad_request("resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided"));
     }
     let store = state.store.clone();
     let (current, compacted) = store.versions().await?;
-    let start: Option<i64> = match params.resource_version.as_deref() {
+    let requested: Option<i64> = match params.resource_version.as_deref() {
         None | Some("0") => None,
         Some(rv) => Some(rv.parse().map_err(|_| ApiError::bad_request(format!("resourceVersion: invalid value {rv:?}")))?),
+    };
+    // `None`: begin with the current state as synthetic ADDED events.
+    let (start, initial_events_end) = match params.send_initial_events {
+        // Streaming list: the state at least as new as `requested`, then the end bookmark.
+        Some(true) => (None, true),
+        Some(false) => (Some(requested.unwrap_or(current)), false),
+        None => (requested, false),
     };
     let filter = Filter { resource_key: Store::resource_key(path.resource), namespace: path.namespace.clone(), params: params.clone() };
     let timeout = params.timeout_seconds.map(Duration::from_secs).unwrap_or(DEFAULT_TIMEOUT);
@@ -140,6 +157,9 @@ pub async fn watch(state: &AppState, path: &ResourcePath, params: &Params, heade
                     if !page.more { break; }
                     after = page.rows.last().map(|r| (r.namespace.clone(), r.name.clone()));
                 }
+                if initial_events_end {
+                    yield Ok(event_line("BOOKMARK", &bookmark_object(&path, n, snapshot, true)));
+                }
                 snapshot
             }
         };
@@ -163,11 +183,11 @@ pub async fn watch(state: &AppState, path: &ResourcePath, params: &Params, heade
         loop {
             tokio::select! {
                 _ = &mut deadline => {
-                    if bookmarks { yield Ok(bookmark(&path, from)); }
+                    if bookmarks { yield Ok(event_line("BOOKMARK", &bookmark_object(&path, n, from, false))); }
                     return;
                 }
                 _ = ticker.tick(), if bookmarks => {
-                    yield Ok(bookmark(&path, from));
+                    yield Ok(event_line("BOOKMARK", &bookmark_object(&path, n, from, false)));
                 }
                 received = live.recv() => match received {
                     Ok(change) => {
@@ -203,6 +223,16 @@ fn with_rv(change: &Change) -> Value {
     object
 }
 
-fn bookmark(path: &ResourcePath, rv: i64) -> Bytes {
-    event_line("BOOKMARK", &json!({"apiVersion": path.resource.api_version(), "kind": path.resource.kind, "metadata": {"resourceVersion": rv.to_string()}}))
+/// A BOOKMARK object in the watch's representation; `initial_events_end` marks the end of a
+/// streaming list (`k8s.io/initial-events-end`).
+fn bookmark_object(path: &ResourcePath, n: Negotiated, rv: i64, initial_events_end: bool) -> Value {
+    let mut metadata = json!({"resourceVersion": rv.to_string()});
+    if initial_events_end {
+        metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+    }
+    match n.representation {
+        Representation::Metadata(v) => json!({"kind": "PartialObjectMetadata", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata}),
+        Representation::Table(v) => json!({"kind": "Table", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata, "columnDefinitions": [], "rows": []}),
+        _ => json!({"apiVersion": path.resource.api_version(), "kind": path.resource.kind, "metadata": metadata}),
+    }
 }
