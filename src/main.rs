@@ -15,10 +15,19 @@ use reports_server_apiserver::standalone::{self, StandaloneConfig};
 use reports_server_apiserver::store::{Store, StoreOptions};
 
 #[derive(Parser)]
-#[command(name = "reports-server", version, about = "Kubernetes policy reports served from SQL through the API aggregation layer")]
+#[command(
+    name = "reports-server",
+    version,
+    about = "Kubernetes policy reports served from SQL through the API aggregation layer"
+)]
 struct Cli {
     /// Log filter (tracing-subscriber EnvFilter syntax).
-    #[arg(long, env = "REPORTS_SERVER_LOG", default_value = "info", global = true)]
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_LOG",
+        default_value = "info",
+        global = true
+    )]
     log: String,
     #[command(subcommand)]
     command: Command,
@@ -70,22 +79,43 @@ struct ServeArgs {
     #[arg(long, env = "REPORTS_SERVER_MAX_REQUEST_BYTES", default_value_t = 3 * 1024 * 1024)]
     max_request_bytes: usize,
     /// Seconds between BOOKMARK events on watches that allow them.
-    #[arg(long, env = "REPORTS_SERVER_BOOKMARK_INTERVAL_SECONDS", default_value_t = 60)]
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_BOOKMARK_INTERVAL_SECONDS",
+        default_value_t = 60
+    )]
     bookmark_interval_seconds: u64,
     /// Change-log entries younger than this many seconds are kept for resuming watches.
-    #[arg(long, env = "REPORTS_SERVER_WATCH_HISTORY_SECONDS", default_value_t = 600)]
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_WATCH_HISTORY_SECONDS",
+        default_value_t = 600
+    )]
     watch_history_seconds: u64,
     /// At most this many change-log entries are kept.
-    #[arg(long, env = "REPORTS_SERVER_WATCH_HISTORY_MAX_EVENTS", default_value_t = 100_000)]
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_WATCH_HISTORY_MAX_EVENTS",
+        default_value_t = 100_000
+    )]
     watch_history_max_events: i64,
     /// Seconds between change-log compactions.
-    #[arg(long, env = "REPORTS_SERVER_COMPACTION_INTERVAL_SECONDS", default_value_t = 30)]
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_COMPACTION_INTERVAL_SECONDS",
+        default_value_t = 30
+    )]
     compaction_interval_seconds: u64,
 }
 
 fn default_data_dir() -> String {
-    match std::env::var_os("XDG_DATA_HOME").or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share").into_os_string())) {
-        Some(base) => PathBuf::from(base).join("reports-server").display().to_string(),
+    match std::env::var_os("XDG_DATA_HOME").or_else(|| {
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share").into_os_string())
+    }) {
+        Some(base) => PathBuf::from(base)
+            .join("reports-server")
+            .display()
+            .to_string(),
         None => ".reports-server".into(),
     }
 }
@@ -107,8 +137,12 @@ impl DatabaseArgs {
             ));
         }
         let dir = PathBuf::from(&self.data_dir);
-        std::fs::create_dir_all(&dir).with_context(|| format!("cannot create the data directory {}", dir.display()))?;
-        Ok(format!("sqlite://{}?mode=rwc", dir.join("reports.db").display()))
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
+        Ok(format!(
+            "sqlite://{}?mode=rwc",
+            dir.join("reports.db").display()
+        ))
     }
 
     fn store_options(&self) -> anyhow::Result<StoreOptions> {
@@ -123,7 +157,9 @@ impl DatabaseArgs {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).context("invalid --log filter")?)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cli.log).context("invalid --log filter")?,
+        )
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
@@ -148,18 +184,29 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     store.watch_history_max_events = args.watch_history_max_events;
     store.compaction_interval = Duration::from_secs(args.compaction_interval_seconds.max(1));
     let data_dir = PathBuf::from(&args.database.data_dir);
-    let kubeconfig = args.write_kubeconfig.clone().unwrap_or_else(|| data_dir.join("kubeconfig"));
+    let kubeconfig = args
+        .write_kubeconfig
+        .clone()
+        .unwrap_or_else(|| data_dir.join("kubeconfig"));
     let config = StandaloneConfig {
         data_dir,
         bind: SocketAddr::new(args.bind_address, args.secure_port),
         store,
-        api: ApiOptions { max_request_bytes: args.max_request_bytes, bookmark_interval: Duration::from_secs(args.bookmark_interval_seconds.max(1)) },
+        api: ApiOptions {
+            max_request_bytes: args.max_request_bytes,
+            bookmark_interval: Duration::from_secs(args.bookmark_interval_seconds.max(1)),
+        },
         kubeconfig,
     };
-    let server = standalone::start(config).await.context("cannot start the server")?;
+    let server = standalone::start(config)
+        .await
+        .context("cannot start the server")?;
     tracing::info!(address = %server.addr, backend = ?server.store.backend(), "serving");
     println!("reports-server is serving on {}", server.url());
-    println!("  kubectl --kubeconfig {} get policyreports -A", server.kubeconfig.display());
+    println!(
+        "  kubectl --kubeconfig {} get policyreports -A",
+        server.kubeconfig.display()
+    );
     let token = server.shutdown_token();
     tokio::spawn(async move {
         shutdown_signal().await;
@@ -174,7 +221,8 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

@@ -45,8 +45,15 @@ pub fn subject_of(der: &CertificateDer<'_>) -> Option<UserInfo> {
     let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
     let subject = cert.subject();
     let name = subject.iter_common_name().next()?.as_str().ok()?.to_owned();
-    let groups = subject.iter_organization().filter_map(|o| o.as_str().ok().map(str::to_owned)).collect();
-    Some(UserInfo { name, groups, uid: None })
+    let groups = subject
+        .iter_organization()
+        .filter_map(|o| o.as_str().ok().map(str::to_owned))
+        .collect();
+    Some(UserInfo {
+        name,
+        groups,
+        uid: None,
+    })
 }
 
 #[async_trait::async_trait]
@@ -72,7 +79,11 @@ pub struct Attributes {
 #[async_trait::async_trait]
 pub trait Authorizer: Send + Sync + 'static {
     /// `Ok(Err(reason))` is a denial.
-    async fn authorize(&self, user: &UserInfo, attributes: &Attributes) -> Result<Result<(), String>, AuthError>;
+    async fn authorize(
+        &self,
+        user: &UserInfo,
+        attributes: &Attributes,
+    ) -> Result<Result<(), String>, AuthError>;
 }
 
 /// Standalone mode: every authenticated client holds a certificate we issued, so it may do
@@ -81,7 +92,11 @@ pub struct AllowAuthenticated;
 
 #[async_trait::async_trait]
 impl Authorizer for AllowAuthenticated {
-    async fn authorize(&self, _: &UserInfo, _: &Attributes) -> Result<Result<(), String>, AuthError> {
+    async fn authorize(
+        &self,
+        _: &UserInfo,
+        _: &Attributes,
+    ) -> Result<Result<(), String>, AuthError> {
         Ok(Ok(()))
     }
 }

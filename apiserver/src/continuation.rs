@@ -32,14 +32,26 @@ pub struct ContinueToken {
 pub enum TokenError {
     #[error("continue token is not valid: {0}; restart the list without it")]
     Malformed(&'static str),
-    #[error("continue token was issued for a different query; continue with the same labelSelector, fieldSelector and namespace or restart the list")]
+    #[error(
+        "continue token was issued for a different query; continue with the same labelSelector, fieldSelector and namespace or restart the list"
+    )]
     QueryMismatch,
 }
 
 /// The identity of a list query, so a token cannot be replayed against another one.
-pub fn query_fingerprint(resource: &str, namespace: Option<&str>, label_selector: &str, field_selector: &str) -> String {
+pub fn query_fingerprint(
+    resource: &str,
+    namespace: Option<&str>,
+    label_selector: &str,
+    field_selector: &str,
+) -> String {
     let mut h = Sha256::new();
-    for part in [resource, namespace.unwrap_or("\u{0}all"), label_selector, field_selector] {
+    for part in [
+        resource,
+        namespace.unwrap_or("\u{0}all"),
+        label_selector,
+        field_selector,
+    ] {
         h.update(part.as_bytes());
         h.update([0xff]);
     }
@@ -52,8 +64,11 @@ impl ContinueToken {
     }
 
     pub fn decode(token: &str, expected_query: &str) -> Result<Self, TokenError> {
-        let raw = URL_SAFE_NO_PAD.decode(token.trim_end_matches('=')).map_err(|_| TokenError::Malformed("not base64url"))?;
-        let token: ContinueToken = serde_json::from_slice(&raw).map_err(|_| TokenError::Malformed("not a reports-server token"))?;
+        let raw = URL_SAFE_NO_PAD
+            .decode(token.trim_end_matches('='))
+            .map_err(|_| TokenError::Malformed("not base64url"))?;
+        let token: ContinueToken = serde_json::from_slice(&raw)
+            .map_err(|_| TokenError::Malformed("not a reports-server token"))?;
         if token.query != expected_query {
             return Err(TokenError::QueryMismatch);
         }
@@ -88,8 +103,19 @@ mod tests {
         let q1 = query_fingerprint("r", None, "a=b", "");
         let q2 = query_fingerprint("r", None, "a=c", "");
         assert_ne!(q1, q2);
-        let t = ContinueToken { resource_version: 5, namespace: "ns".into(), name: "x".into(), query: q1 };
-        assert_eq!(ContinueToken::decode(&t.encode(), &q2), Err(TokenError::QueryMismatch));
-        assert_ne!(query_fingerprint("r", None, "", ""), query_fingerprint("r", Some(""), "", ""));
+        let t = ContinueToken {
+            resource_version: 5,
+            namespace: "ns".into(),
+            name: "x".into(),
+            query: q1,
+        };
+        assert_eq!(
+            ContinueToken::decode(&t.encode(), &q2),
+            Err(TokenError::QueryMismatch)
+        );
+        assert_ne!(
+            query_fingerprint("r", None, "", ""),
+            query_fingerprint("r", Some(""), "", "")
+        );
     }
 }

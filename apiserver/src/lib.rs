@@ -5,12 +5,12 @@
 //! * `http`: the axum router that speaks the Kubernetes API for the report kinds.
 //! * `tls`, `server`: certificates and the HTTPS accept loop.
 
-pub mod continuation;
-pub mod selector;
-pub mod store;
 pub mod auth;
+pub mod continuation;
 pub mod http;
 pub mod metrics;
 pub mod pki;
+pub mod selector;
 pub mod server;
 pub mod standalone;
+pub mod store;

@@ -44,19 +44,50 @@ impl Metrics {
     pub fn new() -> Arc<Self> {
         let mut registry = Registry::with_prefix("reports_server");
         let requests = Family::<RequestLabels, Counter>::default();
-        let durations = Family::<VerbLabels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 16)));
+        let durations = Family::<VerbLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.001, 2.0, 16))
+        });
         let watchers = Gauge::<i64, AtomicI64>::default();
         let watchers_cut_off = Counter::default();
-        registry.register("apiserver_requests", "API requests by verb, resource and HTTP code", requests.clone());
-        registry.register("apiserver_request_duration_seconds", "API request latency (watches: until the response starts)", durations.clone());
+        registry.register(
+            "apiserver_requests",
+            "API requests by verb, resource and HTTP code",
+            requests.clone(),
+        );
+        registry.register(
+            "apiserver_request_duration_seconds",
+            "API request latency (watches: until the response starts)",
+            durations.clone(),
+        );
         registry.register("apiserver_watchers", "Open watch streams", watchers.clone());
-        registry.register("apiserver_watchers_cut_off", "Watchers ended because they fell behind the change feed", watchers_cut_off.clone());
-        Arc::new(Metrics { registry, requests, durations, watchers, watchers_cut_off })
+        registry.register(
+            "apiserver_watchers_cut_off",
+            "Watchers ended because they fell behind the change feed",
+            watchers_cut_off.clone(),
+        );
+        Arc::new(Metrics {
+            registry,
+            requests,
+            durations,
+            watchers,
+            watchers_cut_off,
+        })
     }
 
     pub fn observe(&self, verb: &str, resource: &str, code: u16, seconds: f64) {
-        self.requests.get_or_create(&RequestLabels { verb: verb.into(), resource: resource.into(), code }).inc();
-        self.durations.get_or_create(&VerbLabels { verb: verb.into(), resource: resource.into() }).observe(seconds);
+        self.requests
+            .get_or_create(&RequestLabels {
+                verb: verb.into(),
+                resource: resource.into(),
+                code,
+            })
+            .inc();
+        self.durations
+            .get_or_create(&VerbLabels {
+                verb: verb.into(),
+                resource: resource.into(),
+            })
+            .observe(seconds);
     }
 
     pub fn watcher_started(self: &Arc<Self>) -> WatcherGuard {
@@ -70,7 +101,8 @@ impl Metrics {
 
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("metrics encode");
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("metrics encode");
         out
     }
 }

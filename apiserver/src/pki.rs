@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -51,8 +51,11 @@ fn write_private(path: &Path, contents: &str) -> Result<(), PkiError> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        if path.extension().is_some_and(|e| e == "key") || path.file_name().is_some_and(|n| n == "kubeconfig") {
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| PkiError::Write(path.to_owned(), e))?;
+        if path.extension().is_some_and(|e| e == "key")
+            || path.file_name().is_some_and(|n| n == "kubeconfig")
+        {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| PkiError::Write(path.to_owned(), e))?;
         }
     }
     Ok(())
@@ -77,10 +80,17 @@ pub fn new_ca(common_name: &str) -> Result<CertPair, PkiError> {
     let mut params = CertificateParams::default();
     params.distinguished_name = distinguished(common_name, None);
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     params.not_after = rcgen::date_time_ymd(2036, 1, 1);
     let cert = params.self_signed(&key)?;
-    Ok(CertPair { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+    Ok(CertPair {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
 }
 
 fn issuer(ca: &CertPair) -> Result<Issuer<'static, KeyPair>, PkiError> {
@@ -92,7 +102,13 @@ fn issuer(ca: &CertPair) -> Result<Issuer<'static, KeyPair>, PkiError> {
 pub fn issue_serving(ca: &CertPair, names: &[String]) -> Result<CertPair, PkiError> {
     let key = KeyPair::generate()?;
     let mut params = CertificateParams::default();
-    params.distinguished_name = distinguished(names.first().map(String::as_str).unwrap_or("reports-server"), None);
+    params.distinguished_name = distinguished(
+        names
+            .first()
+            .map(String::as_str)
+            .unwrap_or("reports-server"),
+        None,
+    );
     params.subject_alt_names = names
         .iter()
         .map(|n| match n.parse::<std::net::IpAddr>() {
@@ -101,10 +117,16 @@ pub fn issue_serving(ca: &CertPair, names: &[String]) -> Result<CertPair, PkiErr
         })
         .collect::<Result<_, rcgen::Error>>()?;
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
     params.not_after = rcgen::date_time_ymd(2035, 1, 1);
     let cert = params.signed_by(&key, &issuer(ca)?)?;
-    Ok(CertPair { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+    Ok(CertPair {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
 }
 
 /// Issues a client certificate: user = CN, groups = O (one per group).
@@ -117,16 +139,32 @@ pub fn issue_client(ca: &CertPair, user: &str, groups: &[&str]) -> Result<CertPa
     }
     params.distinguished_name = dn;
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
     params.not_after = rcgen::date_time_ymd(2035, 1, 1);
     let cert = params.signed_by(&key, &issuer(ca)?)?;
-    Ok(CertPair { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+    Ok(CertPair {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
 }
 
-fn load_or_create(dir: &Path, stem: &str, create: impl FnOnce() -> Result<CertPair, PkiError>) -> Result<CertPair, PkiError> {
-    let (crt, key) = (dir.join(format!("{stem}.crt")), dir.join(format!("{stem}.key")));
+fn load_or_create(
+    dir: &Path,
+    stem: &str,
+    create: impl FnOnce() -> Result<CertPair, PkiError>,
+) -> Result<CertPair, PkiError> {
+    let (crt, key) = (
+        dir.join(format!("{stem}.crt")),
+        dir.join(format!("{stem}.key")),
+    );
     if crt.exists() && key.exists() {
-        let pair = CertPair { cert_pem: read(&crt)?, key_pem: read(&key)? };
+        let pair = CertPair {
+            cert_pem: read(&crt)?,
+            key_pem: read(&key)?,
+        };
         if !pair.cert_pem.contains("BEGIN CERTIFICATE") {
             return Err(PkiError::Invalid(crt));
         }
@@ -144,7 +182,11 @@ impl StandalonePki {
     pub fn load_or_create(dir: &Path, extra_names: &[String]) -> Result<Self, PkiError> {
         std::fs::create_dir_all(dir).map_err(|e| PkiError::Write(dir.to_owned(), e))?;
         let ca = load_or_create(dir, "ca", || new_ca("reports-server-ca"))?;
-        let mut names = vec!["localhost".to_owned(), "127.0.0.1".to_owned(), "::1".to_owned()];
+        let mut names = vec![
+            "localhost".to_owned(),
+            "127.0.0.1".to_owned(),
+            "::1".to_owned(),
+        ];
         for n in extra_names {
             if !names.contains(n) && n != "0.0.0.0" && n != "::" {
                 names.push(n.clone());
@@ -157,8 +199,15 @@ impl StandalonePki {
         }
         let serving = load_or_create(dir, "serving", || issue_serving(&ca, &names))?;
         write_private(&names_file, &wanted)?;
-        let admin = load_or_create(dir, "admin", || issue_client(&ca, "admin", &["system:masters"]))?;
-        Ok(StandalonePki { dir: dir.to_owned(), ca, serving, admin })
+        let admin = load_or_create(dir, "admin", || {
+            issue_client(&ca, "admin", &["system:masters"])
+        })?;
+        Ok(StandalonePki {
+            dir: dir.to_owned(),
+            ca,
+            serving,
+            admin,
+        })
     }
 
     /// A kubeconfig for `server` that authenticates with `client`.
@@ -178,6 +227,9 @@ impl StandalonePki {
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).map_err(|e| PkiError::Write(parent.to_owned(), e))?;
         }
-        write_private(path, &self.kubeconfig(server, &self.admin, "reports-server"))
+        write_private(
+            path,
+            &self.kubeconfig(server, &self.admin, "reports-server"),
+        )
     }
 }

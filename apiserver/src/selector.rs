@@ -43,9 +43,13 @@ pub enum Field {
 pub enum SelectorError {
     #[error("unable to parse requirement {0:?}: {1}")]
     Syntax(String, &'static str),
-    #[error("invalid label key {0:?}: a key is an optional DNS prefix and '/', then 1-63 characters of [A-Za-z0-9_.-] starting and ending with an alphanumeric")]
+    #[error(
+        "invalid label key {0:?}: a key is an optional DNS prefix and '/', then 1-63 characters of [A-Za-z0-9_.-] starting and ending with an alphanumeric"
+    )]
     InvalidKey(String),
-    #[error("invalid label value {0:?}: at most 63 characters of [A-Za-z0-9_.-], starting and ending with an alphanumeric")]
+    #[error(
+        "invalid label value {0:?}: at most 63 characters of [A-Za-z0-9_.-], starting and ending with an alphanumeric"
+    )]
     InvalidValue(String),
     #[error("field label not supported: {0} (supported: metadata.name, metadata.namespace)")]
     UnsupportedField(String),
@@ -54,7 +58,8 @@ pub enum SelectorError {
 fn valid_name_part(s: &str, max: usize) -> bool {
     !s.is_empty()
         && s.len() <= max
-        && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         && s.starts_with(|c: char| c.is_ascii_alphanumeric())
         && s.ends_with(|c: char| c.is_ascii_alphanumeric())
 }
@@ -63,7 +68,9 @@ fn valid_key(key: &str) -> bool {
     match key.split_once('/') {
         Some((prefix, name)) => {
             prefix.len() <= 253
-                && prefix.split('.').all(|p| valid_name_part(p, 63) && !p.contains('_'))
+                && prefix
+                    .split('.')
+                    .all(|p| valid_name_part(p, 63) && !p.contains('_'))
                 && valid_name_part(name, 63)
         }
         None => valid_name_part(key, 63),
@@ -97,10 +104,15 @@ fn parse_set(raw: &str, rest: &str) -> Result<Vec<String>, SelectorError> {
     let inner = rest
         .strip_prefix('(')
         .and_then(|r| r.strip_suffix(')'))
-        .ok_or_else(|| SelectorError::Syntax(raw.to_owned(), "expected a parenthesised set of values"))?;
+        .ok_or_else(|| {
+            SelectorError::Syntax(raw.to_owned(), "expected a parenthesised set of values")
+        })?;
     let mut values: Vec<String> = inner.split(',').map(|v| v.trim().to_owned()).collect();
     if values.len() == 1 && values[0].is_empty() {
-        return Err(SelectorError::Syntax(raw.to_owned(), "a set needs at least one value"));
+        return Err(SelectorError::Syntax(
+            raw.to_owned(),
+            "a set needs at least one value",
+        ));
     }
     for v in &values {
         if !valid_value(v) {
@@ -128,7 +140,9 @@ impl LabelSelector {
                 Requirement::NotExists(Self::key(key.trim())?)
             } else if let Some((key, value)) = part.split_once("!=") {
                 Requirement::NotIn(Self::key(key.trim())?, vec![Self::value(value.trim())?])
-            } else if let Some((key, value)) = part.split_once("==").or_else(|| part.split_once('=')) {
+            } else if let Some((key, value)) =
+                part.split_once("==").or_else(|| part.split_once('='))
+            {
                 Requirement::In(Self::key(key.trim())?, vec![Self::value(value.trim())?])
             } else if let Some((key, rest)) = split_word(part, "notin") {
                 Requirement::NotIn(Self::key(key)?, parse_set(part, rest)?)
@@ -145,11 +159,19 @@ impl LabelSelector {
     }
 
     fn key(key: &str) -> Result<String, SelectorError> {
-        if valid_key(key) { Ok(key.to_owned()) } else { Err(SelectorError::InvalidKey(key.to_owned())) }
+        if valid_key(key) {
+            Ok(key.to_owned())
+        } else {
+            Err(SelectorError::InvalidKey(key.to_owned()))
+        }
     }
 
     fn value(value: &str) -> Result<String, SelectorError> {
-        if valid_value(value) { Ok(value.to_owned()) } else { Err(SelectorError::InvalidValue(value.to_owned())) }
+        if valid_value(value) {
+            Ok(value.to_owned())
+        } else {
+            Err(SelectorError::InvalidValue(value.to_owned()))
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -174,7 +196,9 @@ fn split_word<'a>(part: &'a str, word: &str) -> Option<(&'a str, &'a str)> {
         let abs = offset + i;
         let before = part[..abs].chars().last();
         let after = part[abs + word.len()..].chars().next();
-        if before.is_some_and(char::is_whitespace) && after.is_some_and(|c| c.is_whitespace() || c == '(') {
+        if before.is_some_and(char::is_whitespace)
+            && after.is_some_and(|c| c.is_whitespace() || c == '(')
+        {
             return Some((part[..abs].trim(), &part[abs + word.len()..]));
         }
         offset = abs + word.len();
@@ -215,14 +239,21 @@ impl FieldSelector {
             } else if let Some((f, v)) = part.split_once("==").or_else(|| part.split_once('=')) {
                 (f, v, true)
             } else {
-                return Err(SelectorError::Syntax(part.to_owned(), "expected field=value or field!=value"));
+                return Err(SelectorError::Syntax(
+                    part.to_owned(),
+                    "expected field=value or field!=value",
+                ));
             };
             let field = match field.trim() {
                 "metadata.name" => Field::Name,
                 "metadata.namespace" => Field::Namespace,
                 other => return Err(SelectorError::UnsupportedField(other.to_owned())),
             };
-            reqs.push(FieldRequirement { field, value: value.trim().to_owned(), equal });
+            reqs.push(FieldRequirement {
+                field,
+                value: value.trim().to_owned(),
+                equal,
+            });
         }
         Ok(Self(reqs))
     }
@@ -243,7 +274,10 @@ impl FieldSelector {
 
     /// The single name an equality requirement pins, if any (lets the store use the key index).
     pub fn pinned(&self, field: Field) -> Option<&str> {
-        self.0.iter().find(|r| r.field == field && r.equal).map(|r| r.value.as_str())
+        self.0
+            .iter()
+            .find(|r| r.field == field && r.equal)
+            .map(|r| r.value.as_str())
     }
 }
 
@@ -270,7 +304,10 @@ mod tests {
     use proptest::prelude::*;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -295,14 +332,24 @@ mod tests {
 
     #[test]
     fn prefixed_keys_and_empty_values() {
-        let s = LabelSelector::parse("audit.kyverno.io/resource.uid=abc,app.kubernetes.io/managed-by=").unwrap();
-        assert!(s.matches(&labels(&[("audit.kyverno.io/resource.uid", "abc"), ("app.kubernetes.io/managed-by", "")])));
+        let s =
+            LabelSelector::parse("audit.kyverno.io/resource.uid=abc,app.kubernetes.io/managed-by=")
+                .unwrap();
+        assert!(s.matches(&labels(&[
+            ("audit.kyverno.io/resource.uid", "abc"),
+            ("app.kubernetes.io/managed-by", "")
+        ])));
     }
 
     #[test]
     fn rejects_garbage() {
-        for bad in ["a b", "a in x", "a in ()", "=x", "a=b c", "-a=1", "a=(", "a,,b", "x notin"] {
-            assert!(LabelSelector::parse(bad).is_err(), "{bad:?} should not parse");
+        for bad in [
+            "a b", "a in x", "a in ()", "=x", "a=b c", "-a=1", "a=(", "a,,b", "x notin",
+        ] {
+            assert!(
+                LabelSelector::parse(bad).is_err(),
+                "{bad:?} should not parse"
+            );
         }
         assert!(FieldSelector::parse("spec.x=1").is_err());
     }
@@ -313,7 +360,10 @@ mod tests {
         assert!(f.matches("default", "x"));
         assert!(!f.matches("kube-system", "x"));
         assert_eq!(f.pinned(Field::Name), Some("x"));
-        assert_eq!(f.to_string(), "metadata.name=x,metadata.namespace!=kube-system");
+        assert_eq!(
+            f.to_string(),
+            "metadata.name=x,metadata.namespace!=kube-system"
+        );
     }
 
     fn key() -> impl Strategy<Value = String> {
@@ -326,9 +376,15 @@ mod tests {
         prop_oneof![
             key().prop_map(Requirement::Exists),
             key().prop_map(Requirement::NotExists),
-            (key(), proptest::collection::btree_set("[a-z0-9]{1,4}", 1..4))
+            (
+                key(),
+                proptest::collection::btree_set("[a-z0-9]{1,4}", 1..4)
+            )
                 .prop_map(|(k, v)| Requirement::In(k, v.into_iter().collect())),
-            (key(), proptest::collection::btree_set("[a-z0-9]{1,4}", 1..4))
+            (
+                key(),
+                proptest::collection::btree_set("[a-z0-9]{1,4}", 1..4)
+            )
                 .prop_map(|(k, v)| Requirement::NotIn(k, v.into_iter().collect())),
             (key(), value()).prop_map(|(k, v)| Requirement::In(k, vec![v])),
         ]

@@ -27,17 +27,24 @@ pub enum ServeError {
 
 /// Builds the rustls configuration: our serving certificate, and client certificates verified
 /// against `client_ca_pems` when presented (never required, so probes and token clients work).
-pub fn tls_config(cert_pem: &str, key_pem: &str, client_ca_pems: &[String]) -> Result<rustls::ServerConfig, ServeError> {
+pub fn tls_config(
+    cert_pem: &str,
+    key_pem: &str,
+    client_ca_pems: &[String],
+) -> Result<rustls::ServerConfig, ServeError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
         .collect::<Result<_, _>>()
         .map_err(|e| ServeError::Tls(format!("serving certificate: {e}")))?;
-    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|e| ServeError::Tls(format!("serving key: {e}")))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| ServeError::Tls(format!("serving key: {e}")))?;
     let mut roots = RootCertStore::empty();
     for pem in client_ca_pems {
         for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
             let cert = cert.map_err(|e| ServeError::Tls(format!("client CA: {e}")))?;
-            roots.add(cert).map_err(|e| ServeError::Tls(format!("client CA: {e}")))?;
+            roots
+                .add(cert)
+                .map_err(|e| ServeError::Tls(format!("client CA: {e}")))?;
         }
     }
     let builder = rustls::ServerConfig::builder();
@@ -50,18 +57,27 @@ pub fn tls_config(cert_pem: &str, key_pem: &str, client_ca_pems: &[String]) -> R
             .map_err(|e| ServeError::Tls(format!("client verifier: {e}")))?;
         builder.with_client_cert_verifier(verifier)
     };
-    let mut config = builder.with_single_cert(certs, key).map_err(|e| ServeError::Tls(e.to_string()))?;
+    let mut config = builder
+        .with_single_cert(certs, key)
+        .map_err(|e| ServeError::Tls(e.to_string()))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)
 }
 
 /// Binds the listener (separately from serving, so callers learn the port before serving).
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr).await.map_err(|e| ServeError::Bind(addr, e))
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| ServeError::Bind(addr, e))
 }
 
 /// Serves `router` over TLS until `shutdown` is cancelled.
-pub async fn serve(listener: TcpListener, tls: rustls::ServerConfig, router: axum::Router, shutdown: CancellationToken) {
+pub async fn serve(
+    listener: TcpListener,
+    tls: rustls::ServerConfig,
+    router: axum::Router,
+    shutdown: CancellationToken,
+) {
     let acceptor = TlsAcceptor::from(Arc::new(tls));
     loop {
         let (tcp, remote) = tokio::select! {
@@ -80,7 +96,12 @@ pub async fn serve(listener: TcpListener, tls: rustls::ServerConfig, router: axu
         let router = router.clone();
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
-            let tls = match tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp)).await {
+            let tls = match tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                acceptor.accept(tcp),
+            )
+            .await
+            {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {
                     tracing::debug!(%remote, error = %e, "TLS handshake failed");
@@ -88,11 +109,19 @@ pub async fn serve(listener: TcpListener, tls: rustls::ServerConfig, router: axu
                 }
                 Err(_) => return,
             };
-            let peer = PeerCertificates(Arc::new(tls.get_ref().1.peer_certificates().map(|c| c.to_vec()).unwrap_or_default()));
-            let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
-                request.extensions_mut().insert(peer.clone());
-                router.clone().oneshot(request.map(axum::body::Body::new))
-            });
+            let peer = PeerCertificates(Arc::new(
+                tls.get_ref()
+                    .1
+                    .peer_certificates()
+                    .map(|c| c.to_vec())
+                    .unwrap_or_default(),
+            ));
+            let service = hyper::service::service_fn(
+                move |mut request: hyper::Request<hyper::body::Incoming>| {
+                    request.extensions_mut().insert(peer.clone());
+                    router.clone().oneshot(request.map(axum::body::Body::new))
+                },
+            );
             let builder = Builder::new(TokioExecutor::new());
             let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
             tokio::pin!(connection);

@@ -76,8 +76,14 @@ pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError
     let pki = StandalonePki::load_or_create(&config.data_dir, &extra_names)?;
     let store = Store::connect(config.store.clone()).await?;
     let listener = server::bind(config.bind).await?;
-    let addr = listener.local_addr().map_err(|e| server::ServeError::Bind(config.bind, e))?;
-    let tls = server::tls_config(&pki.serving.cert_pem, &pki.serving.key_pem, std::slice::from_ref(&pki.ca.cert_pem))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| server::ServeError::Bind(config.bind, e))?;
+    let tls = server::tls_config(
+        &pki.serving.cert_pem,
+        &pki.serving.key_pem,
+        std::slice::from_ref(&pki.ca.cert_pem),
+    )?;
     let state = AppState {
         store: store.clone(),
         authenticator: Arc::new(ClientCertAuthenticator),
@@ -86,8 +92,22 @@ pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError
         options: config.api.clone(),
     };
     let shutdown = CancellationToken::new();
-    let task = tokio::spawn(server::serve(listener, tls, router(state), shutdown.clone()));
-    let running = RunningServer { addr, kubeconfig: config.kubeconfig.clone(), store, pki, shutdown, task };
-    running.pki.write_kubeconfig(&config.kubeconfig, &running.url())?;
+    let task = tokio::spawn(server::serve(
+        listener,
+        tls,
+        router(state),
+        shutdown.clone(),
+    ));
+    let running = RunningServer {
+        addr,
+        kubeconfig: config.kubeconfig.clone(),
+        store,
+        pki,
+        shutdown,
+        task,
+    };
+    running
+        .pki
+        .write_kubeconfig(&config.kubeconfig, &running.url())?;
     Ok(running)
 }

@@ -58,10 +58,10 @@ pub fn structural_schema(root: Schema) -> Value {
         })
         .unwrap_or(Value::Object(Map::new()));
     let mut schema = inline(root, &definitions, 0);
-    if let Some(props) = schema.get_mut("properties").and_then(Value::as_object_mut) {
-        if props.contains_key("metadata") {
-            props.insert("metadata".into(), json!({"type": "object"}));
-        }
+    if let Some(props) = schema.get_mut("properties").and_then(Value::as_object_mut)
+        && props.contains_key("metadata")
+    {
+        props.insert("metadata".into(), json!({"type": "object"}));
     }
     clean(&mut schema);
     schema
@@ -154,15 +154,15 @@ fn clean(node: &mut Value) {
     ] {
         map.remove(key);
     }
-    if let Some(Value::String(d)) = map.get("description") {
-        if d.is_empty() {
-            map.remove("description");
-        }
+    if let Some(Value::String(d)) = map.get("description")
+        && d.is_empty()
+    {
+        map.remove("description");
     }
-    if let Some(Value::Array(required)) = map.get("required") {
-        if required.is_empty() {
-            map.remove("required");
-        }
+    if let Some(Value::Array(required)) = map.get("required")
+        && required.is_empty()
+    {
+        map.remove("required");
     }
     mark_atomic(map);
     for value in map.values_mut() {
@@ -184,15 +184,14 @@ fn mark_atomic(map: &mut Map<String, Value>) {
         map.insert("x-kubernetes-map-type".into(), json!("atomic"));
     }
     if let Some(Value::Object(props)) = map.get_mut("properties") {
-        if is_selector {
-            if let Some(Value::Object(me)) = props.get_mut("matchExpressions") {
-                me.insert("x-kubernetes-list-type".into(), json!("atomic"));
-            }
+        if is_selector && let Some(Value::Object(me)) = props.get_mut("matchExpressions") {
+            me.insert("x-kubernetes-list-type".into(), json!("atomic"));
         }
-        if props.contains_key("operator") && props.contains_key("values") {
-            if let Some(Value::Object(values)) = props.get_mut("values") {
-                values.insert("x-kubernetes-list-type".into(), json!("atomic"));
-            }
+        if props.contains_key("operator")
+            && props.contains_key("values")
+            && let Some(Value::Object(values)) = props.get_mut("values")
+        {
+            values.insert("x-kubernetes-list-type".into(), json!("atomic"));
         }
     }
 }

@@ -58,8 +58,8 @@ if [[ -z $minor || $minor -lt $GO_MIN_MINOR ]]; then
     die "$GOVERSION is too old: Kubernetes v$KUBE_VERSION needs Go >= 1.$GO_MIN_MINOR (GOTOOLCHAIN=local is set on purpose, so no toolchain is downloaded). Install a newer Go."
 fi
 
+# GOFLAGS is left alone (go get writes go.mod/go.sum; go build then needs no -mod=mod).
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOWORK=off GO111MODULE=on
-export GOFLAGS="${GOFLAGS:+$GOFLAGS }-mod=mod"
 
 mkdir -p "$OUT"
 exec 9>"$OUT/.lock"
@@ -77,6 +77,8 @@ fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/reports-server-cp-build.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 if ! (cd "$WORK" && timeout 120 go mod download -json "k8s.io/kubernetes@v$KUBE_VERSION" >"$WORK/k8s.json" 2>"$WORK/k8s.err"); then
+    # go mod download -json reports module errors in the JSON ("Error"), other errors on stderr.
+    sed -n 's/^[[:space:]]*"Error": "\(.*\)",\{0,1\}$/\1/p' "$WORK/k8s.json" >&2 || true
     cat "$WORK/k8s.err" >&2 || true
     die "cannot download k8s.io/kubernetes@v$KUBE_VERSION from the Go module proxy \
 (GOPROXY=$(go env GOPROXY), GOSUMDB=$(go env GOSUMDB), GOFLAGS=$(go env GOFLAGS)). \

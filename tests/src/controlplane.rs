@@ -380,7 +380,10 @@ impl ControlPlane {
                 format!("--authorization-kubeconfig={kc}"),
                 "--bind-address=127.0.0.1".to_string(),
                 format!("--secure-port={kcm_port}"),
-                format!("--tls-cert-file={}", p.controller_manager.cert_path.display()),
+                format!(
+                    "--tls-cert-file={}",
+                    p.controller_manager.cert_path.display()
+                ),
                 format!(
                     "--tls-private-key-file={}",
                     p.controller_manager.key_path.display()
@@ -391,7 +394,6 @@ impl ControlPlane {
                 "--use-service-account-credentials=false".to_string(),
                 format!("--service-account-private-key-file={}", p.sa_key.display()),
                 format!("--root-ca-file={}", p.cas.cluster.cert_path.display()),
-                format!("--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}"),
                 "--kube-api-qps=100".to_string(),
                 "--kube-api-burst=200".to_string(),
                 "--v=1".to_string(),
@@ -536,13 +538,16 @@ impl ControlPlane {
     /// no permissions until RBAC grants them (`system:authenticated` is added by the apiserver).
     pub async fn user_kubeconfig(&self, name: &str, groups: &[&str]) -> Result<PathBuf> {
         let cert = self.issue_client_cert(name, groups).await?;
-        let path = self
-            .root
-            .join("users")
-            .join(format!("{}.kubeconfig", file_stem(name)));
+        // users/<name>-<n>.kubeconfig next to users/<name>-<n>.crt: unique per call.
+        let path = cert.cert_path.with_extension("kubeconfig");
         fs::write(
             &path,
-            kubeconfig_yaml(&self.server_url, &self.pki.cas.cluster.cert_pem, name, &cert),
+            kubeconfig_yaml(
+                &self.server_url,
+                &self.pki.cas.cluster.cert_pem,
+                name,
+                &cert,
+            ),
         )?;
         Ok(path)
     }
@@ -568,7 +573,14 @@ impl ControlPlane {
         let stem = unique_stem(&file_stem(name));
         self.pki
             .cas
-            .leaf(&self.users_dir(), &stem, &subject, "clientAuth", &[], CaKind::Cluster)
+            .leaf(
+                &self.users_dir(),
+                &stem,
+                &subject,
+                "clientAuth",
+                &[],
+                CaKind::Cluster,
+            )
             .await
     }
 
@@ -585,7 +597,14 @@ impl ControlPlane {
         let subject = format!("/CN={}", escape_subject(name));
         self.pki
             .cas
-            .leaf(&self.users_dir(), &stem, &subject, "serverAuth", sans, CaKind::Cluster)
+            .leaf(
+                &self.users_dir(),
+                &stem,
+                &subject,
+                "serverAuth",
+                sans,
+                CaKind::Cluster,
+            )
             .await
     }
 
@@ -713,6 +732,7 @@ impl ControlPlane {
     /// reverse start order, and removes the temporary directory unless
     /// `REPORTS_SERVER_KEEP_E2E=1`.
     pub async fn stop(mut self) -> Result<()> {
+        let t0 = Instant::now();
         let mut errors = Vec::new();
         while let Some(mut p) = self.procs.pop() {
             signal_group(&p.child, libc::SIGTERM);
@@ -737,6 +757,7 @@ impl ControlPlane {
                 }
             }
         }
+        eprintln!("[controlplane] stopped in {:.1?}", t0.elapsed());
         self.cleanup_dir();
         if errors.is_empty() {
             Ok(())
@@ -788,8 +809,8 @@ impl ControlPlane {
                 Ok(())
             });
         }
-        let child = spawn_from_reaper_thread(cmd)
-            .with_context(|| format!("starting {}", bin.display()))?;
+        let child =
+            spawn_from_reaper_thread(cmd).with_context(|| format!("starting {}", bin.display()))?;
         self.procs.push(Proc { component, child });
         Ok(())
     }

@@ -15,7 +15,9 @@ use anyhow::Context;
 /// A kube-rs client from a kubeconfig file.
 pub async fn kube_client(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
     let kc = kube::config::Kubeconfig::read_from(kubeconfig).context("read kubeconfig")?;
-    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await.context("load kubeconfig")?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .context("load kubeconfig")?;
     Ok(kube::Client::try_from(config)?)
 }
 
@@ -32,7 +34,10 @@ impl Backend {
     /// A fresh database of this backend (`None` = the server's embedded SQLite file).
     pub fn database_url(self, dir: &Path) -> anyhow::Result<String> {
         match self {
-            Backend::Sqlite => Ok(format!("sqlite://{}?mode=rwc", dir.join("reports.db").display())),
+            Backend::Sqlite => Ok(format!(
+                "sqlite://{}?mode=rwc",
+                dir.join("reports.db").display()
+            )),
             Backend::Postgres => postgres::fresh_database(),
         }
     }

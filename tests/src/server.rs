@@ -13,18 +13,37 @@ pub fn binary() -> anyhow::Result<PathBuf> {
     static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BIN.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_owned();
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .unwrap()
+            .to_owned();
+        // Same package selection and targets as `cargo test --workspace`, so features unify the
+        // same way and this is a no-op after the test build instead of a second dependency build.
         let out = Command::new(cargo)
-            .args(["build", "--quiet", "--bin", "reports-server", "--message-format", "short"])
+            .args([
+                "build",
+                "--quiet",
+                "--workspace",
+                "--all-targets",
+                "--message-format",
+                "short",
+            ])
             .current_dir(&root)
             .output()
             .map_err(|e| format!("cannot run cargo to build reports-server: {e}"))?;
         if !out.status.success() {
-            return Err(format!("cargo build --bin reports-server failed:\n{}", String::from_utf8_lossy(&out.stderr)));
+            return Err(format!(
+                "cargo build --bin reports-server failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
         }
         // The test binary lives in <target>/debug/deps; the server next to deps.
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let bin = exe.parent().and_then(Path::parent).map(|d| d.join("reports-server")).ok_or("no target dir")?;
+        let bin = exe
+            .parent()
+            .and_then(Path::parent)
+            .map(|d| d.join("reports-server"))
+            .ok_or("no target dir")?;
         if !bin.exists() {
             return Err(format!("{} missing after build", bin.display()));
         }
@@ -35,7 +54,11 @@ pub fn binary() -> anyhow::Result<PathBuf> {
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A running server process.
@@ -56,8 +79,17 @@ impl ServerProcess {
         Self::start_with(data_dir, database_url, &[]).await
     }
 
-    pub async fn start_with(data_dir: &Path, database_url: Option<String>, extra: &[&str]) -> anyhow::Result<Self> {
-        let database_url = database_url.unwrap_or_else(|| format!("sqlite://{}?mode=rwc", data_dir.join("reports.db").display()));
+    pub async fn start_with(
+        data_dir: &Path,
+        database_url: Option<String>,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        let database_url = database_url.unwrap_or_else(|| {
+            format!(
+                "sqlite://{}?mode=rwc",
+                data_dir.join("reports.db").display()
+            )
+        });
         let mut server = ServerProcess {
             data_dir: data_dir.to_owned(),
             database_url,
@@ -92,14 +124,28 @@ impl ServerProcess {
     async fn wait_ready(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                bail!("reports-server exited with {status} during start-up:\n{}", self.log_tail());
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                bail!(
+                    "reports-server exited with {status} during start-up:\n{}",
+                    self.log_tail()
+                );
             }
-            if self.kubeconfig.exists() && tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
+            if self.kubeconfig.exists()
+                && tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                    .await
+                    .is_ok()
+            {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                bail!("reports-server did not start within 60s:\n{}", self.log_tail());
+                bail!(
+                    "reports-server did not start within 60s:\n{}",
+                    self.log_tail()
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

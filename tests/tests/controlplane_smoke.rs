@@ -28,9 +28,9 @@ fn require_kubectl() {
         .is_ok_and(|o| o.status.success());
     assert!(
         ok,
-        "`kubectl` is required by the e2e tests but was not found or does not run; install it \
-         (https://kubernetes.io/docs/tasks/tools/, or Debian's `kubernetes-client`) and make sure \
-         it is on PATH"
+        "`kubectl` is required by the e2e tests but was not found or does not run; install a \
+         recent kubectl (https://kubernetes.io/docs/tasks/tools/; Debian bookworm's \
+         `kubernetes-client` is 1.20, too old) and make sure it is on PATH"
     );
 }
 
@@ -84,12 +84,42 @@ async fn control_plane_smoke() -> Result<()> {
         assert!(ns.contains(want), "kubectl get ns lacks {want}:\n{ns}");
     }
     let resources = kubectl(kc, &["api-resources", "-o", "name"])?;
-    for want in ["namespaces", "apiservices.apiregistration.k8s.io", "clusterroles.rbac.authorization.k8s.io"] {
+    for want in [
+        "namespaces",
+        "apiservices.apiregistration.k8s.io",
+        "clusterroles.rbac.authorization.k8s.io",
+    ] {
         assert!(
             resources.lines().any(|l| l == want),
             "kubectl api-resources lacks {want}:\n{resources}"
         );
     }
+    // A certificate user with several groups (one O= each), as RBAC tests use them.
+    let alice = cp.user_kubeconfig("alice", &["team-a", "team-b"]).await?;
+    let whoami = kubectl(&alice, &["auth", "whoami", "-o", "json"])?;
+    let review: serde_json::Value = serde_json::from_str(&whoami)?;
+    assert_eq!(
+        review["status"]["userInfo"]["username"], "alice",
+        "{whoami}"
+    );
+    for g in ["team-a", "team-b", "system:authenticated"] {
+        assert!(
+            review["status"]["userInfo"]["groups"]
+                .as_array()
+                .is_some_and(|gs| gs.iter().any(|x| x == g)),
+            "alice lacks group {g}: {whoami}"
+        );
+    }
+    let forbidden = cp.user_client("alice", &["team-a"]).await?;
+    let err = Api::<Namespace>::all(forbidden)
+        .list(&Default::default())
+        .await
+        .expect_err("alice has no RBAC permissions");
+    assert!(
+        matches!(&err, kube::Error::Api(e) if e.code == 403),
+        "expected 403 Forbidden for alice, got {err}"
+    );
+
     let version = kubectl(kc, &["version", "-o", "json"])?;
     assert!(version.contains("\"gitVersion\": \"v1.36"), "{version}");
 
@@ -179,10 +209,7 @@ async fn control_plane_smoke() -> Result<()> {
     .with_context(|| {
         format!(
             "kube-controller-manager log tail:\n{}",
-            cp.log_tail(
-                Component::KubeControllerManager,
-                30
-            )
+            cp.log_tail(Component::KubeControllerManager, 30)
         )
     })?;
     let ns = kubectl(kc, &["get", "ns", "-o", "name"])?;
@@ -205,7 +232,10 @@ async fn aggregation_through_external_name(cp: &ControlPlane) -> Result<()> {
     svc.service_name = "smoke-api".into();
     svc.ca_bundle_pem = Some(cp.ca_pem().to_string());
     let cert = cp
-        .issue_serving_cert("smoke-api", &[&svc.server_name(), "localhost", "127.0.0.1", "::1"])
+        .issue_serving_cert(
+            "smoke-api",
+            &[&svc.server_name(), "localhost", "127.0.0.1", "::1"],
+        )
         .await?;
 
     let www = cp.dir().join("smoke-www");
@@ -242,7 +272,11 @@ async fn aggregation_through_external_name(cp: &ControlPlane) -> Result<()> {
         .await;
     let proxied = kubectl(
         cp.kubeconfig_path(),
-        &["get", "--raw", &format!("/apis/{}/{}", svc.group, svc.version)],
+        &[
+            "get",
+            "--raw",
+            &format!("/apis/{}/{}", svc.group, svc.version),
+        ],
     );
     cp.delete_apiservice(&svc.name()).await?;
     server.kill().await?;
@@ -250,7 +284,10 @@ async fn aggregation_through_external_name(cp: &ControlPlane) -> Result<()> {
     available.with_context(|| format!("s_server log:\n{server_log}"))?;
     let proxied = proxied?;
     assert!(
-        proxied.contains(&format!("\"groupVersion\":\"{}/{}\"", svc.group, svc.version)),
+        proxied.contains(&format!(
+            "\"groupVersion\":\"{}/{}\"",
+            svc.group, svc.version
+        )),
         "unexpected body through the aggregator: {proxied}"
     );
     eprintln!("[smoke] aggregator -> ExternalName localhost:{port} -> s_server: ok");

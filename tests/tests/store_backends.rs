@@ -7,20 +7,27 @@ use std::time::Duration;
 
 use reports_server_apiserver::selector::{FieldSelector, LabelSelector};
 use reports_server_apiserver::store::feed::read_changes;
-use reports_server_apiserver::store::{EventType, ListQuery, Mutation, Store, StoreError, StoreOptions};
+use reports_server_apiserver::store::{
+    EventType, ListQuery, Mutation, Store, StoreError, StoreOptions,
+};
 use reports_server_crds::catalog::{EPHEMERAL_REPORT, POLICY_REPORT};
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
 use reports_server_tests::Backend;
 use serde_json::{Value, json};
 
 async fn open(backend: Backend, dir: &std::path::Path) -> (Store, String) {
-    let url = backend.database_url(dir).unwrap_or_else(|e| panic!("{backend:?}: {e:#}"));
-    let store = Store::connect(StoreOptions::new(url.clone())).await.unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+    let url = backend
+        .database_url(dir)
+        .unwrap_or_else(|e| panic!("{backend:?}: {e:#}"));
+    let store = Store::connect(StoreOptions::new(url.clone()))
+        .await
+        .unwrap_or_else(|e| panic!("{backend:?}: {e}"));
     (store, url)
 }
 
 fn report(ns: &str, n: u64, labels: &[(&str, &str)]) -> Value {
-    let mut v = serde_json::to_value(pss_policy_report(&Subject::pod(ns, n), 1_700_000_000, &[])).unwrap();
+    let mut v =
+        serde_json::to_value(pss_policy_report(&Subject::pod(ns, n), 1_700_000_000, &[])).unwrap();
     v["metadata"]["name"] = json!(format!("r-{n:05}"));
     v["metadata"]["uid"] = json!(format!("uid-{n}"));
     v["metadata"]["creationTimestamp"] = json!("2024-01-01T00:00:00Z");
@@ -32,7 +39,9 @@ fn report(ns: &str, n: u64, labels: &[(&str, &str)]) -> Value {
 
 async fn put(store: &Store, ns: &str, name: &str, object: Value) -> i64 {
     store
-        .mutate::<StoreError, _>(&POLICY_REPORT, ns, name, false, |_| Ok(Mutation::Put(object)))
+        .mutate::<StoreError, _>(&POLICY_REPORT, ns, name, false, |_| {
+            Ok(Mutation::Put(object))
+        })
         .await
         .unwrap()
         .resource_version
@@ -48,9 +57,14 @@ async fn versions_persist_and_changes_are_gapless() {
         for n in 0..20 {
             rvs.push(put(&store, "ns-a", &format!("r-{n:05}"), report("ns-a", n, &[])).await);
         }
-        assert!(rvs.windows(2).all(|w| w[1] == w[0] + 1), "{backend:?}: {rvs:?}");
+        assert!(
+            rvs.windows(2).all(|w| w[1] == w[0] + 1),
+            "{backend:?}: {rvs:?}"
+        );
         let deleted = store
-            .mutate::<StoreError, _>(&POLICY_REPORT, "ns-a", "r-00003", false, |_| Ok(Mutation::Delete))
+            .mutate::<StoreError, _>(&POLICY_REPORT, "ns-a", "r-00003", false, |_| {
+                Ok(Mutation::Delete)
+            })
             .await
             .unwrap();
         assert_eq!(deleted.event, Some(EventType::Deleted));
@@ -62,9 +76,19 @@ async fn versions_persist_and_changes_are_gapless() {
         assert_eq!(current, deleted.resource_version, "{backend:?}");
         let changes = read_changes(&store, start, None, 1000).await.unwrap();
         let seen: Vec<i64> = changes.iter().map(|c| c.resource_version).collect();
-        assert_eq!(seen, ((start + 1)..=current).collect::<Vec<_>>(), "{backend:?}");
+        assert_eq!(
+            seen,
+            ((start + 1)..=current).collect::<Vec<_>>(),
+            "{backend:?}"
+        );
         assert_eq!(changes.last().unwrap().event, EventType::Deleted);
-        assert!(store.get_object(&POLICY_REPORT, "ns-a", "r-00003").await.unwrap().is_none());
+        assert!(
+            store
+                .get_object(&POLICY_REPORT, "ns-a", "r-00003")
+                .await
+                .unwrap()
+                .is_none()
+        );
         assert_eq!(store.count(&POLICY_REPORT).await.unwrap(), 19);
         let next = put(&store, "ns-a", "r-99999", report("ns-a", 99_999, &[])).await;
         assert_eq!(next, current + 1, "{backend:?}");
@@ -86,10 +110,17 @@ async fn two_writers_on_one_database_stay_ordered() {
         tokio::join!(write(a.clone(), "a"), write(b.clone(), "b"));
         let changes = read_changes(&a, start, None, 1000).await.unwrap();
         let rvs: Vec<i64> = changes.iter().map(|c| c.resource_version).collect();
-        assert_eq!(rvs, ((start + 1)..=(start + 80)).collect::<Vec<_>>(), "{backend:?}: resourceVersions must be gapless and ordered");
+        assert_eq!(
+            rvs,
+            ((start + 1)..=(start + 80)).collect::<Vec<_>>(),
+            "{backend:?}: resourceVersions must be gapless and ordered"
+        );
         // Each object carries the resourceVersion of its change.
         for c in &changes {
-            assert_eq!(c.object["metadata"]["resourceVersion"], json!(c.resource_version.to_string()));
+            assert_eq!(
+                c.object["metadata"]["resourceVersion"],
+                json!(c.resource_version.to_string())
+            );
         }
         // Process B's feed sees A's writes (LISTEN/NOTIFY on Postgres, polling elsewhere).
         let (mut rx, delivered) = b.feed().subscribe().await;
@@ -117,7 +148,13 @@ async fn selectors_and_keyset_pages_run_in_sql() {
         for n in 0..30u64 {
             let tier = if n % 3 == 0 { "gold" } else { "silver" };
             let ns = if n % 2 == 0 { "even" } else { "odd" };
-            put(&store, ns, &format!("r-{n:05}"), report(ns, n, &[("tier", tier)])).await;
+            put(
+                &store,
+                ns,
+                &format!("r-{n:05}"),
+                report(ns, n, &[("tier", tier)]),
+            )
+            .await;
         }
         let query = |labels: &str, fields: &str, namespace: Option<&str>| ListQuery {
             resource: &POLICY_REPORT,
@@ -134,25 +171,48 @@ async fn selectors_and_keyset_pages_run_in_sql() {
         };
         assert_eq!(count(query("tier=gold", "", None)).await, 10, "{backend:?}");
         assert_eq!(count(query("tier!=gold", "", None)).await, 20);
-        assert_eq!(count(query("tier in (gold,bronze)", "", Some("even"))).await, 5);
+        assert_eq!(
+            count(query("tier in (gold,bronze)", "", Some("even"))).await,
+            5
+        );
         assert_eq!(count(query("!tier", "", None)).await, 0);
-        assert_eq!(count(query("app.kubernetes.io/managed-by=kyverno,tier", "", None)).await, 30);
+        assert_eq!(
+            count(query("app.kubernetes.io/managed-by=kyverno,tier", "", None)).await,
+            30
+        );
         assert_eq!(count(query("", "metadata.name=r-00004", None)).await, 1);
         assert_eq!(count(query("", "metadata.namespace!=even", None)).await, 15);
         // Other kinds are separate.
-        let eph = ListQuery { resource: &EPHEMERAL_REPORT, ..query("", "", None) };
+        let eph = ListQuery {
+            resource: &EPHEMERAL_REPORT,
+            ..query("", "", None)
+        };
         assert_eq!(count(eph).await, 0);
 
         // Keyset pages: every object exactly once, in (namespace, name) order.
         let mut after = None;
         let mut seen = Vec::new();
         loop {
-            let page = store.list(&ListQuery { limit: Some(7), after: after.clone(), ..query("", "", None) }).await.unwrap();
-            seen.extend(page.rows.iter().map(|r| (r.namespace.clone(), r.name.clone())));
+            let page = store
+                .list(&ListQuery {
+                    limit: Some(7),
+                    after: after.clone(),
+                    ..query("", "", None)
+                })
+                .await
+                .unwrap();
+            seen.extend(
+                page.rows
+                    .iter()
+                    .map(|r| (r.namespace.clone(), r.name.clone())),
+            );
             if !page.more {
                 break;
             }
-            after = page.rows.last().map(|r| (r.namespace.clone(), r.name.clone()));
+            after = page
+                .rows
+                .last()
+                .map(|r| (r.namespace.clone(), r.name.clone()));
         }
         let mut sorted = seen.clone();
         sorted.sort();
@@ -161,7 +221,12 @@ async fn selectors_and_keyset_pages_run_in_sql() {
         assert_eq!(seen.len(), 30);
 
         // Analytics rows exist, one per result, queryable in SQL.
-        let rows = store.query_raw("SELECT COUNT(*) AS n FROM report_results WHERE policy = 'disallow-host-path'").await.unwrap();
+        let rows = store
+            .query_raw(
+                "SELECT COUNT(*) AS n FROM report_results WHERE policy = 'disallow-host-path'",
+            )
+            .await
+            .unwrap();
         let n: i64 = rows[0].try_get("", "n").unwrap();
         assert_eq!(n, 30, "{backend:?}");
     }
@@ -197,7 +262,9 @@ async fn a_failed_decision_writes_nothing() {
         let (before, _) = store.versions().await.unwrap();
         let store = Arc::new(store);
         let result = store
-            .mutate::<StoreError, _>(&POLICY_REPORT, "ns", "keep", false, |_| Err(StoreError::AlreadyExists))
+            .mutate::<StoreError, _>(&POLICY_REPORT, "ns", "keep", false, |_| {
+                Err(StoreError::AlreadyExists)
+            })
             .await;
         assert!(result.is_err());
         assert_eq!(store.versions().await.unwrap().0, before);

@@ -7,7 +7,16 @@ use reports_server_crds::catalog::{self, GROUP_VERSIONS, ResourceDescriptor};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-pub const VERBS: [&str; 8] = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"];
+pub const VERBS: [&str; 8] = [
+    "create",
+    "delete",
+    "deletecollection",
+    "get",
+    "list",
+    "patch",
+    "update",
+    "watch",
+];
 
 fn group_json(group: &str, version: &str) -> Value {
     let gv = json!({"groupVersion": format!("{group}/{version}"), "version": version});
@@ -48,7 +57,9 @@ fn resource_json(d: &ResourceDescriptor) -> Value {
 }
 
 pub fn api_resource_list(group: &str, version: &str) -> Option<Value> {
-    GROUP_VERSIONS.iter().find(|(g, v)| *g == group && *v == version)?;
+    GROUP_VERSIONS
+        .iter()
+        .find(|(g, v)| *g == group && *v == version)?;
     Some(json!({
         "kind": "APIResourceList",
         "apiVersion": "v1",
@@ -126,6 +137,9 @@ mod tests {
         let (doc, etag) = aggregated("v2");
         assert_eq!(doc["items"].as_array().unwrap().len(), 3);
         assert_eq!(aggregated("v2").1, etag);
-        assert_eq!(doc["items"][0]["versions"][0]["resources"][0]["responseKind"]["kind"], "PolicyReport");
+        assert_eq!(
+            doc["items"][0]["versions"][0]["resources"][0]["responseKind"]["kind"],
+            "PolicyReport"
+        );
     }
 }

@@ -18,7 +18,11 @@ fn walk(sent: &Value, kept: &Value, path: String, out: &mut Vec<String>) {
     match (sent, kept) {
         (Value::Object(s), Value::Object(k)) => {
             for (key, value) in s {
-                let child = if path.is_empty() { key.clone() } else { format!("{path}.{key}") };
+                let child = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
                 match k.get(key) {
                     Some(kv) => walk(value, kv, child, out),
                     // A null the schema dropped is "unset", not unknown.
@@ -40,7 +44,11 @@ fn walk(sent: &Value, kept: &Value, path: String, out: &mut Vec<String>) {
 pub fn duplicate_fields(raw: &[u8]) -> Vec<String> {
     let mut out = Vec::new();
     let mut de = serde_json::Deserializer::from_slice(raw);
-    let _ = Walker { path: String::new(), out: &mut out }.deserialize(&mut de);
+    let _ = Walker {
+        path: String::new(),
+        out: &mut out,
+    }
+    .deserialize(&mut de);
     out
 }
 
@@ -81,7 +89,13 @@ impl<'de> Visitor<'de> for Walker<'_> {
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let mut i = 0;
-        while seq.next_element_seed(Walker { path: format!("{}[{i}]", self.path), out: self.out })?.is_some() {
+        while seq
+            .next_element_seed(Walker {
+                path: format!("{}[{i}]", self.path),
+                out: self.out,
+            })?
+            .is_some()
+        {
             i += 1;
         }
         Ok(())
@@ -89,11 +103,18 @@ impl<'de> Visitor<'de> for Walker<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let mut seen = std::collections::HashSet::new();
         while let Some(key) = map.next_key::<String>()? {
-            let child = if self.path.is_empty() { key.clone() } else { format!("{}.{key}", self.path) };
+            let child = if self.path.is_empty() {
+                key.clone()
+            } else {
+                format!("{}.{key}", self.path)
+            };
             if !seen.insert(key) {
                 self.out.push(child.clone());
             }
-            map.next_value_seed(Walker { path: child, out: self.out })?;
+            map.next_value_seed(Walker {
+                path: child,
+                out: self.out,
+            })?;
         }
         Ok(())
     }
@@ -108,7 +129,10 @@ mod tests {
     fn finds_unknown_fields_but_not_nulls() {
         let sent = json!({"a": 1, "typo": 2, "n": null, "list": [{"x": 1, "y": 2}], "m": {"k": 1, "extra": true}});
         let kept = json!({"a": 1, "list": [{"x": 1}], "m": {"k": 1}});
-        assert_eq!(unknown_fields(&sent, &kept), ["typo", "list[0].y", "m.extra"]);
+        assert_eq!(
+            unknown_fields(&sent, &kept),
+            ["typo", "list[0].y", "m.extra"]
+        );
     }
 
     #[test]

@@ -42,7 +42,10 @@ pub struct ApiOptions {
 
 impl Default for ApiOptions {
     fn default() -> Self {
-        ApiOptions { max_request_bytes: 3 * 1024 * 1024, bookmark_interval: Duration::from_secs(60) }
+        ApiOptions {
+            max_request_bytes: 3 * 1024 * 1024,
+            bookmark_interval: Duration::from_secs(60),
+        }
     }
 }
 
@@ -91,26 +94,50 @@ async fn livez() -> &'static str {
 async fn readyz(State(state): State<AppState>) -> Response {
     match tokio::time::timeout(Duration::from_secs(5), state.store.ping()).await {
         Ok(Ok(())) => "ok".into_response(),
-        Ok(Err(e)) => (StatusCode::SERVICE_UNAVAILABLE, format!("[-]database failed: {e}\nreadyz check failed\n")).into_response(),
-        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "[-]database failed: no answer within 5s\nreadyz check failed\n").into_response(),
+        Ok(Err(e)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("[-]database failed: {e}\nreadyz check failed\n"),
+        )
+            .into_response(),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "[-]database failed: no answer within 5s\nreadyz check failed\n",
+        )
+            .into_response(),
     }
 }
 
 /// Authenticates every request that reaches the API; unauthenticated callers get 401.
 async fn authenticate(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
-    let peer = request.extensions().get::<PeerCertificates>().cloned().unwrap_or_default();
-    let user = state.authenticator.authenticate(&AuthRequest { peer: &peer, headers: request.headers() }).await;
+    let peer = request
+        .extensions()
+        .get::<PeerCertificates>()
+        .cloned()
+        .unwrap_or_default();
+    let user = state
+        .authenticator
+        .authenticate(&AuthRequest {
+            peer: &peer,
+            headers: request.headers(),
+        })
+        .await;
     match user {
         Ok(Some(user)) => {
             request.extensions_mut().insert(user);
             next.run(request).await
         }
         Ok(None) => ApiError::unauthorized().into_response(),
-        Err(e) => ApiError::unavailable(format!("cannot authenticate the request: {e}")).into_response(),
+        Err(e) => {
+            ApiError::unavailable(format!("cannot authenticate the request: {e}")).into_response()
+        }
     }
 }
 
-async fn authorize(state: &AppState, user: &UserInfo, attributes: &Attributes) -> Result<(), ApiError> {
+async fn authorize(
+    state: &AppState,
+    user: &UserInfo,
+    attributes: &Attributes,
+) -> Result<(), ApiError> {
     match state.authorizer.authorize(user, attributes).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(reason)) => {
@@ -125,13 +152,18 @@ async fn authorize(state: &AppState, user: &UserInfo, attributes: &Attributes) -
                     attributes.verb, attributes.resource, attributes.group
                 ),
             };
-            let mut msg = format!("{}.{} is forbidden: User \"{}\" {what}", attributes.resource, attributes.group, user.name);
+            let mut msg = format!(
+                "{}.{} is forbidden: User \"{}\" {what}",
+                attributes.resource, attributes.group, user.name
+            );
             if !reason.is_empty() {
                 msg.push_str(&format!(": {reason}"));
             }
             Err(ApiError::forbidden(msg))
         }
-        Err(e) => Err(ApiError::unavailable(format!("cannot authorize the request: {e}"))),
+        Err(e) => Err(ApiError::unavailable(format!(
+            "cannot authorize the request: {e}"
+        ))),
     }
 }
 
@@ -148,7 +180,11 @@ fn non_resource(path: &str) -> Attributes {
 }
 
 async fn version(State(state): State<AppState>, request: Request) -> Response {
-    let user = request.extensions().get::<UserInfo>().cloned().unwrap_or_default();
+    let user = request
+        .extensions()
+        .get::<UserInfo>()
+        .cloned()
+        .unwrap_or_default();
     if let Err(e) = authorize(&state, &user, &non_resource("/version")).await {
         return e.into_response();
     }
@@ -156,7 +192,11 @@ async fn version(State(state): State<AppState>, request: Request) -> Response {
 }
 
 async fn core_api(State(state): State<AppState>, headers: HeaderMap, request: Request) -> Response {
-    let user = request.extensions().get::<UserInfo>().cloned().unwrap_or_default();
+    let user = request
+        .extensions()
+        .get::<UserInfo>()
+        .cloned()
+        .unwrap_or_default();
     if let Err(e) = authorize(&state, &user, &non_resource("/api")).await {
         return e.into_response();
     }
@@ -175,7 +215,11 @@ async fn core_api(State(state): State<AppState>, headers: HeaderMap, request: Re
 }
 
 async fn apis(State(state): State<AppState>, headers: HeaderMap, request: Request) -> Response {
-    let user = request.extensions().get::<UserInfo>().cloned().unwrap_or_default();
+    let user = request
+        .extensions()
+        .get::<UserInfo>()
+        .cloned()
+        .unwrap_or_default();
     if let Err(e) = authorize(&state, &user, &non_resource("/apis")).await {
         return e.into_response();
     }
@@ -186,12 +230,19 @@ async fn apis(State(state): State<AppState>, headers: HeaderMap, request: Reques
     match n.representation {
         Representation::Discovery(v) => {
             let (doc, etag) = discovery::aggregated(v);
-            let mut response = if headers.get(header::IF_NONE_MATCH).and_then(|h| h.to_str().ok()) == Some(etag.as_str()) {
+            let mut response = if headers
+                .get(header::IF_NONE_MATCH)
+                .and_then(|h| h.to_str().ok())
+                == Some(etag.as_str())
+            {
                 StatusCode::NOT_MODIFIED.into_response()
             } else {
                 resources::encode(StatusCode::OK, n, false, &doc)
             };
-            response.headers_mut().insert(header::ETAG, HeaderValue::from_str(&etag).expect("hex etag"));
+            response.headers_mut().insert(
+                header::ETAG,
+                HeaderValue::from_str(&etag).expect("hex etag"),
+            );
             response
         }
         _ => resources::encode(StatusCode::OK, n, false, &discovery::api_group_list()),
@@ -199,25 +250,44 @@ async fn apis(State(state): State<AppState>, headers: HeaderMap, request: Reques
 }
 
 async fn metrics(State(state): State<AppState>, request: Request) -> Response {
-    let user = request.extensions().get::<UserInfo>().cloned().unwrap_or_default();
+    let user = request
+        .extensions()
+        .get::<UserInfo>()
+        .cloned()
+        .unwrap_or_default();
     if let Err(e) = authorize(&state, &user, &non_resource("/metrics")).await {
         return e.into_response();
     }
     let mut response = state.metrics.encode().into_response();
-    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
     response
 }
 
 async fn openapi_index(State(state): State<AppState>, request: Request) -> Response {
-    let user = request.extensions().get::<UserInfo>().cloned().unwrap_or_default();
+    let user = request
+        .extensions()
+        .get::<UserInfo>()
+        .cloned()
+        .unwrap_or_default();
     if let Err(e) = authorize(&state, &user, &non_resource("/openapi/v3")).await {
         return e.into_response();
     }
     axum::Json(openapi::index()).into_response()
 }
 
-async fn openapi_document(State(state): State<AppState>, axum::extract::Path(path): axum::extract::Path<String>, request: Request) -> Response {
-    let user = request.extensions().get::<UserInfo>().cloned().unwrap_or_default();
+async fn openapi_document(
+    State(state): State<AppState>,
+    axum::extract::Path(path): axum::extract::Path<String>,
+    request: Request,
+) -> Response {
+    let user = request
+        .extensions()
+        .get::<UserInfo>()
+        .cloned()
+        .unwrap_or_default();
     if let Err(e) = authorize(&state, &user, &non_resource(request.uri().path())).await {
         return e.into_response();
     }
@@ -225,11 +295,20 @@ async fn openapi_document(State(state): State<AppState>, axum::extract::Path(pat
         Some((doc, hash)) => {
             let mut response = doc.to_owned().into_response();
             let headers = response.headers_mut();
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            headers.insert(header::ETAG, HeaderValue::from_str(&format!("\"{hash}\"")).expect("hex etag"));
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            headers.insert(
+                header::ETAG,
+                HeaderValue::from_str(&format!("\"{hash}\"")).expect("hex etag"),
+            );
             // The hash in the URL pins the content, as kube-apiserver does.
             if request.uri().query().is_some_and(|q| q.contains("hash=")) {
-                headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("public, immutable"));
+                headers.insert(
+                    header::CACHE_CONTROL,
+                    HeaderValue::from_static("public, immutable"),
+                );
             }
             response
         }
@@ -253,11 +332,19 @@ fn verb(method: &Method, has_name: bool, watch: bool) -> Option<&'static str> {
     })
 }
 
-async fn resource(State(state): State<AppState>, Query(query): Query<HashMap<String, String>>, request: Request) -> Response {
+async fn resource(
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+    request: Request,
+) -> Response {
     let started = Instant::now();
     let (parts, body) = request.into_parts();
     let rest = parts.uri.path().trim_start_matches("/apis/").to_owned();
-    let user = parts.extensions.get::<UserInfo>().cloned().unwrap_or_default();
+    let user = parts
+        .extensions
+        .get::<UserInfo>()
+        .cloned()
+        .unwrap_or_default();
     let mut verb_label = "unknown";
     let mut resource_label = String::new();
     let result: Result<Response, ApiError> = async {
@@ -272,13 +359,27 @@ async fn resource(State(state): State<AppState>, Query(query): Query<HashMap<Str
             };
             let n = resources::accept(&parts.headers, Target::Discovery)?;
             return doc
-                .map(|d| resources::encode(StatusCode::OK, negotiate::Negotiated { representation: Representation::Object, ..n }, false, &d))
+                .map(|d| {
+                    resources::encode(
+                        StatusCode::OK,
+                        negotiate::Negotiated {
+                            representation: Representation::Object,
+                            ..n
+                        },
+                        false,
+                        &d,
+                    )
+                })
                 .ok_or_else(ApiError::path_not_found);
         }
         let path = parse_path(&rest)?;
         let params = Params::parse(&query)?;
-        let v = verb(&parts.method, path.name.is_some(), params.watch)
-            .ok_or_else(|| ApiError::method_not_allowed(format!("the server does not allow this method on the requested resource ({})", parts.method)))?;
+        let v = verb(&parts.method, path.name.is_some(), params.watch).ok_or_else(|| {
+            ApiError::method_not_allowed(format!(
+                "the server does not allow this method on the requested resource ({})",
+                parts.method
+            ))
+        })?;
         verb_label = v;
         resource_label = path.resource.plural.to_owned();
         authorize(
@@ -296,7 +397,9 @@ async fn resource(State(state): State<AppState>, Query(query): Query<HashMap<Str
         )
         .await?;
         let body = match v {
-            "create" | "update" | "patch" | "delete" | "deletecollection" => read_body(body, state.options.max_request_bytes).await?,
+            "create" | "update" | "patch" | "delete" | "deletecollection" => {
+                read_body(body, state.options.max_request_bytes).await?
+            }
             _ => bytes::Bytes::new(),
         };
         match v {
@@ -307,7 +410,8 @@ async fn resource(State(state): State<AppState>, Query(query): Query<HashMap<Str
                 if let Some(name) = &path.name {
                     // A watch on a single object is a field-selected watch.
                     let selector = format!("metadata.name={name}");
-                    params.fields = crate::selector::FieldSelector::parse(&selector).map_err(|e| ApiError::bad_request(e.to_string()))?;
+                    params.fields = crate::selector::FieldSelector::parse(&selector)
+                        .map_err(|e| ApiError::bad_request(e.to_string()))?;
                 }
                 let path = request::ResourcePath { name: None, ..path };
                 watch::watch(&state, &path, &params, &parts.headers).await
@@ -321,13 +425,20 @@ async fn resource(State(state): State<AppState>, Query(query): Query<HashMap<Str
     }
     .await;
     let response = result.unwrap_or_else(IntoResponse::into_response);
-    state.metrics.observe(verb_label, &resource_label, response.status().as_u16(), started.elapsed().as_secs_f64());
+    state.metrics.observe(
+        verb_label,
+        &resource_label,
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
     response
 }
 
 async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
     axum::body::to_bytes(body, limit).await.map_err(|e| {
-        if std::error::Error::source(&e).is_some_and(|s| s.to_string().contains("length limit")) || e.to_string().contains("length limit") {
+        if std::error::Error::source(&e).is_some_and(|s| s.to_string().contains("length limit"))
+            || e.to_string().contains("length limit")
+        {
             ApiError::too_large(limit)
         } else {
             ApiError::bad_request(format!("cannot read the request body: {e}"))

@@ -31,7 +31,10 @@ pub struct Negotiated {
 }
 
 impl Negotiated {
-    pub const JSON: Negotiated = Negotiated { encoding: Encoding::Json, representation: Representation::Object };
+    pub const JSON: Negotiated = Negotiated {
+        encoding: Encoding::Json,
+        representation: Representation::Object,
+    };
 
     /// The `Content-Type` to answer with.
     pub fn content_type(&self, list: bool) -> String {
@@ -43,9 +46,18 @@ impl Negotiated {
             Representation::Object => base.to_owned(),
             Representation::Table(v) => format!("{base};as=Table;v={v};g=meta.k8s.io"),
             Representation::Metadata(v) => {
-                format!("{base};as={};v={v};g=meta.k8s.io", if list { "PartialObjectMetadataList" } else { "PartialObjectMetadata" })
+                format!(
+                    "{base};as={};v={v};g=meta.k8s.io",
+                    if list {
+                        "PartialObjectMetadataList"
+                    } else {
+                        "PartialObjectMetadata"
+                    }
+                )
             }
-            Representation::Discovery(v) => format!("{base};g=apidiscovery.k8s.io;v={v};as=APIGroupDiscoveryList"),
+            Representation::Discovery(v) => {
+                format!("{base};g=apidiscovery.k8s.io;v={v};as=APIGroupDiscoveryList")
+            }
         }
     }
 }
@@ -90,7 +102,10 @@ fn parse_entries(accept: &str) -> Vec<Entry<'_>> {
 }
 
 fn param<'a>(e: &Entry<'a>, key: &str) -> Option<&'a str> {
-    e.params.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| *v)
+    e.params
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(key))
+        .map(|(_, v)| *v)
 }
 
 fn servable(e: &Entry<'_>, target: Target) -> Option<Negotiated> {
@@ -104,16 +119,24 @@ fn servable(e: &Entry<'_>, target: Target) -> Option<Negotiated> {
         Some(as_) => {
             let (g, v) = (param(e, "g").unwrap_or(""), param(e, "v").unwrap_or(""));
             match (as_, g, v, target) {
-                ("Table", "meta.k8s.io", "v1", Target::Object | Target::Collection) => Representation::Table("v1"),
-                ("Table", "meta.k8s.io", "v1beta1", Target::Object | Target::Collection) => Representation::Table("v1beta1"),
+                ("Table", "meta.k8s.io", "v1", Target::Object | Target::Collection) => {
+                    Representation::Table("v1")
+                }
+                ("Table", "meta.k8s.io", "v1beta1", Target::Object | Target::Collection) => {
+                    Representation::Table("v1beta1")
+                }
                 ("PartialObjectMetadata", "meta.k8s.io", "v1", Target::Object)
                 | ("PartialObjectMetadataList", "meta.k8s.io", "v1", Target::Collection)
-                | ("PartialObjectMetadata", "meta.k8s.io", "v1", Target::Collection) => Representation::Metadata("v1"),
+                | ("PartialObjectMetadata", "meta.k8s.io", "v1", Target::Collection) => {
+                    Representation::Metadata("v1")
+                }
                 ("PartialObjectMetadata", "meta.k8s.io", "v1beta1", Target::Object)
                 | ("PartialObjectMetadataList", "meta.k8s.io", "v1beta1", Target::Collection) => {
                     Representation::Metadata("v1beta1")
                 }
-                ("APIGroupDiscoveryList", "apidiscovery.k8s.io", "v2", Target::Discovery) => Representation::Discovery("v2"),
+                ("APIGroupDiscoveryList", "apidiscovery.k8s.io", "v2", Target::Discovery) => {
+                    Representation::Discovery("v2")
+                }
                 ("APIGroupDiscoveryList", "apidiscovery.k8s.io", "v2beta1", Target::Discovery) => {
                     Representation::Discovery("v2beta1")
                 }
@@ -121,11 +144,19 @@ fn servable(e: &Entry<'_>, target: Target) -> Option<Negotiated> {
             }
         }
     };
-    Some(Negotiated { encoding, representation })
+    Some(Negotiated {
+        encoding,
+        representation,
+    })
 }
 
-/// Picks the representation for `accept` (`None`: no header, plain JSON). `Err` means 406.
-pub fn negotiate(accept: Option<&str>, target: Target) -> Result<Negotiated, ()> {
+/// Nothing in the Accept header can be served (406).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("none of the accepted media types can be served")]
+pub struct NotAcceptable;
+
+/// Picks the representation for `accept` (`None`: no header, plain JSON).
+pub fn negotiate(accept: Option<&str>, target: Target) -> Result<Negotiated, NotAcceptable> {
     let Some(accept) = accept.map(str::trim).filter(|a| !a.is_empty()) else {
         return Ok(Negotiated::JSON);
     };
@@ -134,13 +165,13 @@ pub fn negotiate(accept: Option<&str>, target: Target) -> Result<Negotiated, ()>
         if entry.q <= 0.0 {
             continue;
         }
-        if let Some(n) = servable(&entry, target) {
-            if best.is_none_or(|(q, _)| entry.q > q) {
-                best = Some((entry.q, n));
-            }
+        if let Some(n) = servable(&entry, target)
+            && best.is_none_or(|(q, _)| entry.q > q)
+        {
+            best = Some((entry.q, n));
         }
     }
-    best.map(|(_, n)| n).ok_or(())
+    best.map(|(_, n)| n).ok_or(NotAcceptable)
 }
 
 #[cfg(test)]
@@ -150,22 +181,48 @@ mod tests {
     #[test]
     fn kubectl_get_prefers_table() {
         let accept = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json";
-        assert_eq!(negotiate(Some(accept), Target::Collection).unwrap().representation, Representation::Table("v1"));
+        assert_eq!(
+            negotiate(Some(accept), Target::Collection)
+                .unwrap()
+                .representation,
+            Representation::Table("v1")
+        );
     }
 
     #[test]
     fn protobuf_first_falls_back_to_json_metadata() {
         let accept = "application/vnd.kubernetes.protobuf;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json";
         let n = negotiate(Some(accept), Target::Collection).unwrap();
-        assert_eq!(n, Negotiated { encoding: Encoding::Json, representation: Representation::Metadata("v1") });
-        assert_eq!(n.content_type(true), "application/json;as=PartialObjectMetadataList;v=v1;g=meta.k8s.io");
+        assert_eq!(
+            n,
+            Negotiated {
+                encoding: Encoding::Json,
+                representation: Representation::Metadata("v1")
+            }
+        );
+        assert_eq!(
+            n.content_type(true),
+            "application/json;as=PartialObjectMetadataList;v=v1;g=meta.k8s.io"
+        );
     }
 
     #[test]
     fn q_values_and_yaml() {
-        let n = negotiate(Some("application/json;q=0.5, application/yaml"), Target::Object).unwrap();
+        let n = negotiate(
+            Some("application/json;q=0.5, application/yaml"),
+            Target::Object,
+        )
+        .unwrap();
         assert_eq!(n.encoding, Encoding::Yaml);
-        assert_eq!(negotiate(Some("application/yaml;q=0, application/json"), Target::Object).unwrap().encoding, Encoding::Json);
+        assert_eq!(
+            negotiate(
+                Some("application/yaml;q=0, application/json"),
+                Target::Object
+            )
+            .unwrap()
+            .encoding,
+            Encoding::Json
+        );
     }
 
     #[test]
@@ -178,13 +235,26 @@ mod tests {
     #[test]
     fn discovery_v2() {
         let accept = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json;g=apidiscovery.k8s.io;v=v2beta1;as=APIGroupDiscoveryList,application/json";
-        assert_eq!(negotiate(Some(accept), Target::Discovery).unwrap().representation, Representation::Discovery("v2"));
-        assert_eq!(negotiate(Some("application/json"), Target::Discovery).unwrap().representation, Representation::Object);
+        assert_eq!(
+            negotiate(Some(accept), Target::Discovery)
+                .unwrap()
+                .representation,
+            Representation::Discovery("v2")
+        );
+        assert_eq!(
+            negotiate(Some("application/json"), Target::Discovery)
+                .unwrap()
+                .representation,
+            Representation::Object
+        );
     }
 
     #[test]
     fn wildcards_and_missing_header() {
         assert_eq!(negotiate(None, Target::Object).unwrap(), Negotiated::JSON);
-        assert_eq!(negotiate(Some("*/*"), Target::Object).unwrap(), Negotiated::JSON);
+        assert_eq!(
+            negotiate(Some("*/*"), Target::Object).unwrap(),
+            Negotiated::JSON
+        );
     }
 }

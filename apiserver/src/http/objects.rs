@@ -9,7 +9,14 @@ use super::status::ApiError;
 use crate::store::Mutation;
 
 /// Fields of `metadata` only the server sets.
-const SERVER_FIELDS: [&str; 6] = ["uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation", "selfLink"];
+const SERVER_FIELDS: [&str; 6] = [
+    "uid",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "generation",
+    "selfLink",
+];
 
 pub fn now_rfc3339() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
@@ -63,10 +70,17 @@ impl Validation {
         let problems: Vec<String> = unknown
             .into_iter()
             .map(|f| format!("unknown field \"{f}\""))
-            .chain(self.duplicates.iter().map(|f| format!("duplicate field \"{f}\"")))
+            .chain(
+                self.duplicates
+                    .iter()
+                    .map(|f| format!("duplicate field \"{f}\"")),
+            )
             .collect();
         if self.mode == FieldValidation::Strict && !problems.is_empty() {
-            return Err(ApiError::bad_request(format!("strict decoding error: {}", problems.join(", "))));
+            return Err(ApiError::bad_request(format!(
+                "strict decoding error: {}",
+                problems.join(", ")
+            )));
         }
         Ok(problems)
     }
@@ -74,7 +88,11 @@ impl Validation {
 
 /// Checks `apiVersion`/`kind` (filling them in when absent), the namespace against the URL and
 /// the schema; returns the canonical (pruned) object and field-validation warnings.
-pub fn check_and_normalize(path: &ResourcePath, object: Value, validation: &Validation) -> Result<(Value, Vec<String>), ApiError> {
+pub fn check_and_normalize(
+    path: &ResourcePath,
+    object: Value,
+    validation: &Validation,
+) -> Result<(Value, Vec<String>), ApiError> {
     let sent = object.clone();
     let kept = check_and_prune(path, object)?;
     let warnings = validation.judge(super::fields::unknown_fields(&sent, &kept))?;
@@ -84,7 +102,10 @@ pub fn check_and_normalize(path: &ResourcePath, object: Value, validation: &Vali
 fn check_and_prune(path: &ResourcePath, mut object: Value) -> Result<Value, ApiError> {
     let desc = path.resource;
     let Some(map) = object.as_object_mut() else {
-        return Err(ApiError::bad_request(format!("the request body must be a {} object", desc.kind)));
+        return Err(ApiError::bad_request(format!(
+            "the request body must be a {} object",
+            desc.kind
+        )));
     };
     let api_version = desc.api_version();
     match map.get("apiVersion").and_then(Value::as_str) {
@@ -104,14 +125,30 @@ fn check_and_prune(path: &ResourcePath, mut object: Value) -> Result<Value, ApiE
         }
         Some(k) if k == desc.kind => {}
         Some(k) => {
-            return Err(ApiError::bad_request(format!("the kind in the data ({k}) does not match the expected kind ({})", desc.kind)));
+            return Err(ApiError::bad_request(format!(
+                "the kind in the data ({k}) does not match the expected kind ({})",
+                desc.kind
+            )));
         }
     }
     if !map.get("metadata").is_none_or(Value::is_object) {
-        return Err(ApiError::invalid(desc, "", vec![("metadata".into(), "must be an object".into(), "FieldValueInvalid")]));
+        return Err(ApiError::invalid(
+            desc,
+            "",
+            vec![(
+                "metadata".into(),
+                "must be an object".into(),
+                "FieldValueInvalid",
+            )],
+        ));
     }
-    let metadata = map.entry("metadata").or_insert_with(|| Value::Object(Map::new()));
-    match (&path.namespace, metadata.get("namespace").and_then(Value::as_str)) {
+    let metadata = map
+        .entry("metadata")
+        .or_insert_with(|| Value::Object(Map::new()));
+    match (
+        &path.namespace,
+        metadata.get("namespace").and_then(Value::as_str),
+    ) {
         (Some(url), Some(body)) if !body.is_empty() && body != url => {
             return Err(ApiError::bad_request(
                 "the namespace of the provided object does not match the namespace sent on the request",
@@ -126,15 +163,31 @@ fn check_and_prune(path: &ResourcePath, mut object: Value) -> Result<Value, ApiE
     }
     let name = name_of(&object).to_owned();
     desc.normalize(object).map_err(|e| {
-        let reason = if e.message.contains("unknown variant") { "FieldValueNotSupported" } else { "FieldValueInvalid" };
-        let field = if e.field.is_empty() { "<root>".to_owned() } else { e.field.clone() };
+        let reason = if e.message.contains("unknown variant") {
+            "FieldValueNotSupported"
+        } else {
+            "FieldValueInvalid"
+        };
+        let field = if e.field.is_empty() {
+            "<root>".to_owned()
+        } else {
+            e.field.clone()
+        };
         ApiError::invalid(desc, &name, vec![(field, e.message, reason)])
     })
 }
 
 fn validate_name(desc: &ResourceDescriptor, name: &str) -> Result<(), ApiError> {
     if name.is_empty() {
-        return Err(ApiError::invalid(desc, name, vec![("metadata.name".into(), "Required value: name or generateName is required".into(), "FieldValueRequired")]));
+        return Err(ApiError::invalid(
+            desc,
+            name,
+            vec![(
+                "metadata.name".into(),
+                "Required value: name or generateName is required".into(),
+                "FieldValueRequired",
+            )],
+        ));
     }
     if !is_dns_subdomain(name) {
         return Err(ApiError::invalid(
@@ -142,7 +195,9 @@ fn validate_name(desc: &ResourceDescriptor, name: &str) -> Result<(), ApiError> 
             name,
             vec![(
                 "metadata.name".into(),
-                format!("Invalid value: {name:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"),
+                format!(
+                    "Invalid value: {name:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
+                ),
                 "FieldValueInvalid",
             )],
         ));
@@ -154,24 +209,45 @@ fn random_suffix() -> String {
     use rand::Rng;
     const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
     let mut rng = rand::rng();
-    (0..5).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+    (0..5)
+        .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+        .collect()
 }
 
 /// Prepares an object for creation: resolves `generateName`, validates the name and sets the
 /// server-owned metadata. Returns the object and its name.
-pub fn prepare_create(path: &ResourcePath, object: Value, validation: &Validation) -> Result<(Value, String, Vec<String>), ApiError> {
+pub fn prepare_create(
+    path: &ResourcePath,
+    object: Value,
+    validation: &Validation,
+) -> Result<(Value, String, Vec<String>), ApiError> {
     let desc = path.resource;
     let (mut object, warnings) = check_and_normalize(path, object, validation)?;
-    let meta = object["metadata"].as_object_mut().expect("normalized objects have metadata");
-    if meta.get("resourceVersion").and_then(Value::as_str).is_some_and(|rv| !rv.is_empty()) {
-        return Err(ApiError::bad_request("resourceVersion should not be set on objects to be created"));
+    let meta = object["metadata"]
+        .as_object_mut()
+        .expect("normalized objects have metadata");
+    if meta
+        .get("resourceVersion")
+        .and_then(Value::as_str)
+        .is_some_and(|rv| !rv.is_empty())
+    {
+        return Err(ApiError::bad_request(
+            "resourceVersion should not be set on objects to be created",
+        ));
     }
-    let mut name = meta.get("name").and_then(Value::as_str).unwrap_or("").to_owned();
-    if name.is_empty() {
-        if let Some(prefix) = meta.get("generateName").and_then(Value::as_str).filter(|p| !p.is_empty()) {
-            let prefix: String = prefix.chars().take(253 - 5).collect();
-            name = format!("{prefix}{}", random_suffix());
-        }
+    let mut name = meta
+        .get("name")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned();
+    if name.is_empty()
+        && let Some(prefix) = meta
+            .get("generateName")
+            .and_then(Value::as_str)
+            .filter(|p| !p.is_empty())
+    {
+        let prefix: String = prefix.chars().take(253 - 5).collect();
+        name = format!("{prefix}{}", random_suffix());
     }
     validate_name(desc, &name)?;
     for f in SERVER_FIELDS {
@@ -182,7 +258,10 @@ pub fn prepare_create(path: &ResourcePath, object: Value, validation: &Validatio
     meta.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
     meta.insert("creationTimestamp".into(), json!(now_rfc3339()));
     meta.insert("generation".into(), json!(1));
-    if meta.get("labels").is_some_and(|l| l.as_object().is_some_and(|m| m.is_empty())) {
+    if meta
+        .get("labels")
+        .is_some_and(|l| l.as_object().is_some_and(|m| m.is_empty()))
+    {
         meta.remove("labels");
     }
     Ok((object, name, warnings))
@@ -213,28 +292,52 @@ pub fn decide_update(
     if body_name.is_empty() {
         desired["metadata"]["name"] = json!(name);
     } else if body_name != name {
-        return Err(ApiError::bad_request(format!("the name of the object ({body_name}) does not match the name on the URL ({name})")));
+        return Err(ApiError::bad_request(format!(
+            "the name of the object ({body_name}) does not match the name on the URL ({name})"
+        )));
     }
-    let current_rv = current["metadata"]["resourceVersion"].as_str().unwrap_or("").to_owned();
+    let current_rv = current["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
     match desired["metadata"]["resourceVersion"].as_str() {
         None | Some("") => {
             return Err(ApiError::invalid(
                 desc,
                 name,
-                vec![("metadata.resourceVersion".into(), "Invalid value: 0x0: must be specified for an update".into(), "FieldValueInvalid")],
+                vec![(
+                    "metadata.resourceVersion".into(),
+                    "Invalid value: 0x0: must be specified for an update".into(),
+                    "FieldValueInvalid",
+                )],
             ));
         }
         Some(rv) if rv != current_rv => {
-            return Err(ApiError::conflict(desc, name, "the object has been modified; please apply your changes to the latest version and try again"));
+            return Err(ApiError::conflict(
+                desc,
+                name,
+                "the object has been modified; please apply your changes to the latest version and try again",
+            ));
         }
         Some(_) => {}
     }
-    if let Some(uid) = desired["metadata"]["uid"].as_str().filter(|u| !u.is_empty()) {
-        if Some(uid) != current["metadata"]["uid"].as_str() {
-            return Err(ApiError::conflict(desc, name, &format!("Precondition failed: UID in precondition: {uid}, UID in object meta: {}", current["metadata"]["uid"].as_str().unwrap_or(""))));
-        }
+    if let Some(uid) = desired["metadata"]["uid"]
+        .as_str()
+        .filter(|u| !u.is_empty())
+        && Some(uid) != current["metadata"]["uid"].as_str()
+    {
+        return Err(ApiError::conflict(
+            desc,
+            name,
+            &format!(
+                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                current["metadata"]["uid"].as_str().unwrap_or("")
+            ),
+        ));
     }
-    let meta = desired["metadata"].as_object_mut().expect("normalized objects have metadata");
+    let meta = desired["metadata"]
+        .as_object_mut()
+        .expect("normalized objects have metadata");
     for f in SERVER_FIELDS {
         match current["metadata"].get(f) {
             Some(v) => meta.insert(f.to_owned(), v.clone()),
@@ -242,7 +345,10 @@ pub fn decide_update(
         };
     }
     meta.remove("managedFields");
-    if meta.get("labels").is_some_and(|l| l.as_object().is_some_and(|m| m.is_empty())) {
+    if meta
+        .get("labels")
+        .is_some_and(|l| l.as_object().is_some_and(|m| m.is_empty()))
+    {
         meta.remove("labels");
     }
     if content(&desired) != content(&current) {
@@ -250,7 +356,9 @@ pub fn decide_update(
         desired["metadata"]["generation"] = json!(generation + 1);
     }
     let terminating = current["metadata"].get("deletionTimestamp").is_some();
-    let no_finalizers = desired["metadata"]["finalizers"].as_array().is_none_or(Vec::is_empty);
+    let no_finalizers = desired["metadata"]["finalizers"]
+        .as_array()
+        .is_none_or(Vec::is_empty);
     if terminating && no_finalizers {
         return Ok((Mutation::Delete, desired, warnings));
     }
@@ -274,37 +382,73 @@ impl DeletePreconditions {
             return Ok(Self::default());
         }
         if !body.is_object() {
-            return Err(ApiError::bad_request("the request body must be a DeleteOptions object"));
+            return Err(ApiError::bad_request(
+                "the request body must be a DeleteOptions object",
+            ));
         }
         let dry_run = match &body["dryRun"] {
             Value::Null => false,
             Value::Array(a) if a.is_empty() => false,
             Value::Array(a) if a.len() == 1 && a[0] == "All" => true,
-            other => return Err(ApiError::bad_request(format!("dryRun: unsupported value {other} (supported: [\"All\"])"))),
-        };
-        if let Some(p) = body["propagationPolicy"].as_str() {
-            if !matches!(p, "Orphan" | "Background" | "Foreground") {
-                return Err(ApiError::bad_request(format!("propagationPolicy: unsupported value {p:?}")));
+            other => {
+                return Err(ApiError::bad_request(format!(
+                    "dryRun: unsupported value {other} (supported: [\"All\"])"
+                )));
             }
+        };
+        if let Some(p) = body["propagationPolicy"].as_str()
+            && !matches!(p, "Orphan" | "Background" | "Foreground")
+        {
+            return Err(ApiError::bad_request(format!(
+                "propagationPolicy: unsupported value {p:?}"
+            )));
         }
-        let s = |k: &str| body["preconditions"][k].as_str().filter(|v| !v.is_empty()).map(str::to_owned);
-        Ok(DeletePreconditions { uid: s("uid"), resource_version: s("resourceVersion"), dry_run })
+        let s = |k: &str| {
+            body["preconditions"][k]
+                .as_str()
+                .filter(|v| !v.is_empty())
+                .map(str::to_owned)
+        };
+        Ok(DeletePreconditions {
+            uid: s("uid"),
+            resource_version: s("resourceVersion"),
+            dry_run,
+        })
     }
 }
 
 /// Decides a delete: preconditions, then immediate removal or, with finalizers, marking.
-pub fn decide_delete(desc: &ResourceDescriptor, name: &str, current: Option<Value>, pre: &DeletePreconditions) -> Result<Mutation, ApiError> {
+pub fn decide_delete(
+    desc: &ResourceDescriptor,
+    name: &str,
+    current: Option<Value>,
+    pre: &DeletePreconditions,
+) -> Result<Mutation, ApiError> {
     let current = current.ok_or_else(|| ApiError::not_found(desc, name))?;
     let meta = &current["metadata"];
-    if let Some(uid) = &pre.uid {
-        if meta["uid"].as_str() != Some(uid) {
-            return Err(ApiError::conflict(desc, name, &format!("Precondition failed: UID in precondition: {uid}, UID in object meta: {}", meta["uid"].as_str().unwrap_or(""))));
-        }
+    if let Some(uid) = &pre.uid
+        && meta["uid"].as_str() != Some(uid)
+    {
+        return Err(ApiError::conflict(
+            desc,
+            name,
+            &format!(
+                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                meta["uid"].as_str().unwrap_or("")
+            ),
+        ));
     }
-    if let Some(rv) = &pre.resource_version {
-        if meta["resourceVersion"].as_str() != Some(rv) {
-            return Err(ApiError::conflict(desc, name, &format!("Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {}", meta["resourceVersion"].as_str().unwrap_or(""))));
-        }
+    if let Some(rv) = &pre.resource_version
+        && meta["resourceVersion"].as_str() != Some(rv)
+    {
+        return Err(ApiError::conflict(
+            desc,
+            name,
+            &format!(
+                "Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {}",
+                meta["resourceVersion"].as_str().unwrap_or("")
+            ),
+        ));
     }
     let has_finalizers = meta["finalizers"].as_array().is_some_and(|f| !f.is_empty());
     if has_finalizers {
@@ -324,7 +468,10 @@ mod tests {
     use super::*;
     use crate::http::request::parse_path;
 
-    const V: Validation = Validation { mode: FieldValidation::Warn, duplicates: Vec::new() };
+    const V: Validation = Validation {
+        mode: FieldValidation::Warn,
+        duplicates: Vec::new(),
+    };
 
     #[test]
     fn field_validation_modes() {
@@ -333,11 +480,22 @@ mod tests {
         let (obj, _, warnings) = prepare_create(&p, body.clone(), &V).unwrap();
         assert_eq!(warnings, ["unknown field \"summry\""]);
         assert!(obj.get("summry").is_none());
-        let strict = Validation { mode: FieldValidation::Strict, duplicates: vec!["metadata.name".into()] };
+        let strict = Validation {
+            mode: FieldValidation::Strict,
+            duplicates: vec!["metadata.name".into()],
+        };
         let err = prepare_create(&p, body.clone(), &strict).unwrap_err();
         assert_eq!(err.code, 400);
-        assert!(err.message.contains("unknown field \"summry\"") && err.message.contains("duplicate field \"metadata.name\""), "{}", err.message);
-        let ignore = Validation { mode: FieldValidation::Ignore, duplicates: Vec::new() };
+        assert!(
+            err.message.contains("unknown field \"summry\"")
+                && err.message.contains("duplicate field \"metadata.name\""),
+            "{}",
+            err.message
+        );
+        let ignore = Validation {
+            mode: FieldValidation::Ignore,
+            duplicates: Vec::new(),
+        };
         assert!(prepare_create(&p, body, &ignore).unwrap().2.is_empty());
     }
 
@@ -348,7 +506,12 @@ mod tests {
     #[test]
     fn create_sets_server_metadata_and_generate_name() {
         let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports");
-        let (obj, name, _) = prepare_create(&p, json!({"metadata": {"generateName": "r-", "uid": "mine"}}), &V).unwrap();
+        let (obj, name, _) = prepare_create(
+            &p,
+            json!({"metadata": {"generateName": "r-", "uid": "mine"}}),
+            &V,
+        )
+        .unwrap();
         assert!(name.starts_with("r-") && name.len() == 7, "{name}");
         assert_eq!(obj["metadata"]["namespace"], "ns");
         assert_eq!(obj["metadata"]["generation"], 1);
@@ -359,13 +522,45 @@ mod tests {
     #[test]
     fn create_rejects_bad_input() {
         let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports");
-        assert_eq!(prepare_create(&p, json!({"metadata": {}}), &V).unwrap_err().code, 422);
-        assert_eq!(prepare_create(&p, json!({"metadata": {"name": "Bad_Name"}}), &V).unwrap_err().code, 422);
-        assert_eq!(prepare_create(&p, json!({"kind": "Pod", "metadata": {"name": "x"}}), &V).unwrap_err().code, 400);
-        assert_eq!(prepare_create(&p, json!({"metadata": {"name": "x", "namespace": "other"}}), &V).unwrap_err().code, 400);
-        let err = prepare_create(&p, json!({"metadata": {"name": "x"}, "results": [{"policy": "p", "result": "maybe"}]}), &V).unwrap_err();
+        assert_eq!(
+            prepare_create(&p, json!({"metadata": {}}), &V)
+                .unwrap_err()
+                .code,
+            422
+        );
+        assert_eq!(
+            prepare_create(&p, json!({"metadata": {"name": "Bad_Name"}}), &V)
+                .unwrap_err()
+                .code,
+            422
+        );
+        assert_eq!(
+            prepare_create(&p, json!({"kind": "Pod", "metadata": {"name": "x"}}), &V)
+                .unwrap_err()
+                .code,
+            400
+        );
+        assert_eq!(
+            prepare_create(
+                &p,
+                json!({"metadata": {"name": "x", "namespace": "other"}}),
+                &V
+            )
+            .unwrap_err()
+            .code,
+            400
+        );
+        let err = prepare_create(
+            &p,
+            json!({"metadata": {"name": "x"}, "results": [{"policy": "p", "result": "maybe"}]}),
+            &V,
+        )
+        .unwrap_err();
         assert_eq!(err.code, 422);
-        assert_eq!(err.details.unwrap()["causes"][0]["field"], "results[0].result");
+        assert_eq!(
+            err.details.unwrap()["causes"][0]["field"],
+            "results[0].result"
+        );
     }
 
     #[test]
@@ -377,11 +572,24 @@ mod tests {
         // stale
         let mut stale = current.clone();
         stale["metadata"]["resourceVersion"] = json!("4");
-        assert_eq!(decide_update(&p, "x", Some(current.clone()), stale, &V).unwrap_err().code, 409);
+        assert_eq!(
+            decide_update(&p, "x", Some(current.clone()), stale, &V)
+                .unwrap_err()
+                .code,
+            409
+        );
         // missing rv
         let mut norv = current.clone();
-        norv["metadata"].as_object_mut().unwrap().remove("resourceVersion");
-        assert_eq!(decide_update(&p, "x", Some(current.clone()), norv, &V).unwrap_err().code, 422);
+        norv["metadata"]
+            .as_object_mut()
+            .unwrap()
+            .remove("resourceVersion");
+        assert_eq!(
+            decide_update(&p, "x", Some(current.clone()), norv, &V)
+                .unwrap_err()
+                .code,
+            422
+        );
         // label-only change keeps generation
         let mut relabel = current.clone();
         relabel["metadata"]["labels"] = json!({"a": "b"});
@@ -397,20 +605,41 @@ mod tests {
         assert_eq!(out["metadata"]["generation"], 2);
         assert_eq!(out["metadata"]["creationTimestamp"], "2024-01-01T00:00:00Z");
         // identical → no-op
-        assert!(matches!(decide_update(&p, "x", Some(current.clone()), current.clone(), &V).unwrap().0, Mutation::Unchanged));
+        assert!(matches!(
+            decide_update(&p, "x", Some(current.clone()), current.clone(), &V)
+                .unwrap()
+                .0,
+            Mutation::Unchanged
+        ));
         // missing → 404
-        assert_eq!(decide_update(&p, "x", None, current, &V).unwrap_err().code, 404);
+        assert_eq!(
+            decide_update(&p, "x", None, current, &V).unwrap_err().code,
+            404
+        );
     }
 
     #[test]
     fn delete_with_finalizers_marks_then_removes() {
         let desc = &reports_server_crds::catalog::POLICY_REPORT;
         let obj = json!({"metadata": {"name": "x", "uid": "u", "resourceVersion": "3", "finalizers": ["f"]}});
-        let Mutation::Put(marked) = decide_delete(desc, "x", Some(obj.clone()), &Default::default()).unwrap() else { panic!() };
+        let Mutation::Put(marked) =
+            decide_delete(desc, "x", Some(obj.clone()), &Default::default()).unwrap()
+        else {
+            panic!()
+        };
         assert!(marked["metadata"]["deletionTimestamp"].is_string());
-        let pre = DeletePreconditions { uid: Some("other".into()), ..Default::default() };
-        assert_eq!(decide_delete(desc, "x", Some(obj), &pre).unwrap_err().code, 409);
+        let pre = DeletePreconditions {
+            uid: Some("other".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            decide_delete(desc, "x", Some(obj), &pre).unwrap_err().code,
+            409
+        );
         let plain = json!({"metadata": {"name": "x"}});
-        assert!(matches!(decide_delete(desc, "x", Some(plain), &Default::default()).unwrap(), Mutation::Delete));
+        assert!(matches!(
+            decide_delete(desc, "x", Some(plain), &Default::default()).unwrap(),
+            Mutation::Delete
+        ));
     }
 }

@@ -31,7 +31,13 @@ fn query_parameter(name: &str, ty: &str) -> Value {
     json!({"name": name, "in": "query", "schema": {"type": ty}, "uniqueItems": true})
 }
 
-fn operation(id: &str, d: &ResourceDescriptor, action: &str, schema_ref: &str, params: &[&str]) -> Value {
+fn operation(
+    id: &str,
+    d: &ResourceDescriptor,
+    action: &str,
+    schema_ref: &str,
+    params: &[&str],
+) -> Value {
     json!({
         "operationId": id,
         "tags": [format!("{}_{}", d.group, d.version)],
@@ -45,11 +51,25 @@ fn operation(id: &str, d: &ResourceDescriptor, action: &str, schema_ref: &str, p
 fn paths_for(d: &ResourceDescriptor) -> Vec<(String, Value)> {
     let kind_ref = schema_name(d, d.kind);
     let list_ref = schema_name(d, d.list_kind);
-    let list_params = ["labelSelector", "fieldSelector", "limit", "continue", "resourceVersion", "resourceVersionMatch", "timeoutSeconds", "watch", "allowWatchBookmarks", "sendInitialEvents"];
+    let list_params = [
+        "labelSelector",
+        "fieldSelector",
+        "limit",
+        "continue",
+        "resourceVersion",
+        "resourceVersionMatch",
+        "timeoutSeconds",
+        "watch",
+        "allowWatchBookmarks",
+        "sendInitialEvents",
+    ];
     let write_params = ["dryRun", "fieldManager", "fieldValidation"];
     let patch_params = ["dryRun", "fieldManager", "fieldValidation", "force"];
     let base = if d.namespaced {
-        format!("/apis/{}/{}/namespaces/{{namespace}}/{}", d.group, d.version, d.plural)
+        format!(
+            "/apis/{}/{}/namespaces/{{namespace}}/{}",
+            d.group, d.version, d.plural
+        )
     } else {
         format!("/apis/{}/{}/{}", d.group, d.version, d.plural)
     };
@@ -84,7 +104,9 @@ fn paths_for(d: &ResourceDescriptor) -> Vec<(String, Value)> {
 
 /// The document of one group-version.
 pub fn group_version_document(group: &str, version: &str) -> Option<Value> {
-    GROUP_VERSIONS.iter().find(|(g, v)| *g == group && *v == version)?;
+    GROUP_VERSIONS
+        .iter()
+        .find(|(g, v)| *g == group && *v == version)?;
     let (defs, object_meta, list_meta) = meta_definitions();
     let mut schemas: Map<String, Value> = defs;
     let mut paths = Map::new();
@@ -132,13 +154,21 @@ fn documents() -> &'static Documents {
         let mut index = Map::new();
         let mut by_path = Vec::new();
         for (g, v) in GROUP_VERSIONS {
-            let doc = group_version_document(g, v).expect("served group-version").to_string();
+            let doc = group_version_document(g, v)
+                .expect("served group-version")
+                .to_string();
             let hash = hex::encode(&Sha256::digest(doc.as_bytes())[..16]).to_uppercase();
             let key = format!("apis/{g}/{v}");
-            index.insert(key.clone(), json!({"serverRelativeURL": format!("/openapi/v3/{key}?hash={hash}")}));
+            index.insert(
+                key.clone(),
+                json!({"serverRelativeURL": format!("/openapi/v3/{key}?hash={hash}")}),
+            );
             by_path.push((key, doc, hash));
         }
-        Documents { index: json!({"paths": index}), by_path }
+        Documents {
+            index: json!({"paths": index}),
+            by_path,
+        }
     })
 }
 
@@ -149,7 +179,11 @@ pub fn index() -> &'static Value {
 
 /// The serialized document at `/openapi/v3/{path}` and its ETag hash.
 pub fn document(path: &str) -> Option<(&'static str, &'static str)> {
-    documents().by_path.iter().find(|(k, _, _)| k == path.trim_matches('/')).map(|(_, d, h)| (d.as_str(), h.as_str()))
+    documents()
+        .by_path
+        .iter()
+        .find(|(k, _, _)| k == path.trim_matches('/'))
+        .map(|(_, d, h)| (d.as_str(), h.as_str()))
 }
 
 #[cfg(test)]
@@ -161,10 +195,16 @@ mod tests {
         let doc = group_version_document("wgpolicyk8s.io", "v1alpha2").unwrap();
         let schemas = doc["components"]["schemas"].as_object().unwrap();
         let polr = &schemas["io.wgpolicyk8s.v1alpha2.PolicyReport"];
-        assert_eq!(polr["x-kubernetes-group-version-kind"][0]["kind"], "PolicyReport");
+        assert_eq!(
+            polr["x-kubernetes-group-version-kind"][0]["kind"],
+            "PolicyReport"
+        );
         let text = doc.to_string();
         for (i, _) in text.match_indices(REF_PREFIX) {
-            let name: String = text[i + REF_PREFIX.len()..].chars().take_while(|c| *c != '"').collect();
+            let name: String = text[i + REF_PREFIX.len()..]
+                .chars()
+                .take_while(|c| *c != '"')
+                .collect();
             assert!(schemas.contains_key(&name), "unresolved $ref {name}");
         }
         assert!(doc["paths"]["/apis/wgpolicyk8s.io/v1alpha2/namespaces/{namespace}/policyreports/{name}"]["patch"].is_object());

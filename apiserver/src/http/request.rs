@@ -47,19 +47,24 @@ pub fn parse_path(rest: &str) -> Result<ResourcePath, ApiError> {
     if resource.namespaced && namespace.is_none() && name.is_some() {
         return Err(ApiError::path_not_found());
     }
-    if let Some(ns) = &namespace {
-        if !is_dns_label(ns) {
-            return Err(ApiError::path_not_found());
-        }
+    if let Some(ns) = &namespace
+        && !is_dns_label(ns)
+    {
+        return Err(ApiError::path_not_found());
     }
-    Ok(ResourcePath { resource, namespace, name })
+    Ok(ResourcePath {
+        resource,
+        namespace,
+        name,
+    })
 }
 
 /// RFC 1123 label: namespaces.
 pub fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !s.starts_with('-')
         && !s.ends_with('-')
 }
@@ -70,7 +75,9 @@ pub fn is_dns_subdomain(s: &str) -> bool {
         && s.len() <= 253
         && s.split('.').all(|part| {
             !part.is_empty()
-                && part.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && part
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
                 && !part.starts_with('-')
                 && !part.ends_with('-')
         })
@@ -101,7 +108,9 @@ fn boolean(name: &str, v: &str) -> Result<bool, ApiError> {
     match v {
         "true" | "1" | "True" => Ok(true),
         "false" | "0" | "False" | "" => Ok(false),
-        _ => Err(ApiError::bad_request(format!("{name}: invalid boolean {v:?}"))),
+        _ => Err(ApiError::bad_request(format!(
+            "{name}: invalid boolean {v:?}"
+        ))),
     }
 }
 
@@ -111,15 +120,19 @@ impl Params {
         for (k, v) in query {
             match k.as_str() {
                 "labelSelector" => {
-                    p.labels = LabelSelector::parse(v).map_err(|e| ApiError::bad_request(format!("labelSelector: {e}")))?;
+                    p.labels = LabelSelector::parse(v)
+                        .map_err(|e| ApiError::bad_request(format!("labelSelector: {e}")))?;
                     p.label_selector_raw = v.clone();
                 }
                 "fieldSelector" => {
-                    p.fields = FieldSelector::parse(v).map_err(|e| ApiError::bad_request(format!("fieldSelector: {e}")))?;
+                    p.fields = FieldSelector::parse(v)
+                        .map_err(|e| ApiError::bad_request(format!("fieldSelector: {e}")))?;
                     p.field_selector_raw = v.clone();
                 }
                 "limit" => {
-                    let n: i64 = v.parse().map_err(|_| ApiError::bad_request(format!("limit: invalid integer {v:?}")))?;
+                    let n: i64 = v.parse().map_err(|_| {
+                        ApiError::bad_request(format!("limit: invalid integer {v:?}"))
+                    })?;
                     p.limit = (n > 0).then_some(n as u64);
                 }
                 "continue" => p.continue_token = Some(v.clone()).filter(|s| !s.is_empty()),
@@ -133,7 +146,9 @@ impl Params {
                     p.resource_version_match = Some(v.clone()).filter(|s| !s.is_empty());
                 }
                 "timeoutSeconds" => {
-                    p.timeout_seconds = Some(v.parse().map_err(|_| ApiError::bad_request(format!("timeoutSeconds: invalid integer {v:?}")))?)
+                    p.timeout_seconds = Some(v.parse().map_err(|_| {
+                        ApiError::bad_request(format!("timeoutSeconds: invalid integer {v:?}"))
+                    })?)
                 }
                 "allowWatchBookmarks" => p.allow_watch_bookmarks = boolean(k, v)?,
                 "sendInitialEvents" => p.send_initial_events = Some(boolean(k, v)?),
@@ -143,7 +158,11 @@ impl Params {
                     p.dry_run = match v.as_str() {
                         "All" => true,
                         "" => false,
-                        other => return Err(ApiError::bad_request(format!("dryRun: unsupported value {other:?} (supported: All)"))),
+                        other => {
+                            return Err(ApiError::bad_request(format!(
+                                "dryRun: unsupported value {other:?} (supported: All)"
+                            )));
+                        }
                     }
                 }
                 "fieldManager" => p.field_manager = Some(v.clone()),
@@ -156,7 +175,8 @@ impl Params {
                     p.field_validation = Some(v.clone()).filter(|s| !s.is_empty());
                 }
                 // Accepted and meaningless for these kinds (no pods, no graceful termination).
-                "pretty" | "propagationPolicy" | "gracePeriodSeconds" | "orphanDependents" | "force" => {}
+                "pretty" | "propagationPolicy" | "gracePeriodSeconds" | "orphanDependents"
+                | "force" => {}
                 _ => {}
             }
         }
@@ -166,7 +186,13 @@ impl Params {
 
 /// Decodes a JSON or YAML request body.
 pub fn decode_body(content_type: Option<&str>, body: &[u8]) -> Result<Value, ApiError> {
-    let media = content_type.unwrap_or("application/json").split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let media = content_type
+        .unwrap_or("application/json")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     match media.as_str() {
         "application/json" | "" => serde_json::from_slice(body)
             .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}"))),
@@ -183,7 +209,10 @@ mod tests {
     #[test]
     fn paths() {
         let p = parse_path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x").unwrap();
-        assert_eq!((p.resource.kind, p.namespace.as_deref(), p.name.as_deref()), ("PolicyReport", Some("ns"), Some("x")));
+        assert_eq!(
+            (p.resource.kind, p.namespace.as_deref(), p.name.as_deref()),
+            ("PolicyReport", Some("ns"), Some("x"))
+        );
         let p = parse_path("wgpolicyk8s.io/v1alpha2/policyreports").unwrap();
         assert!(p.namespace.is_none() && p.name.is_none());
         let p = parse_path("wgpolicyk8s.io/v1alpha2/clusterpolicyreports/x").unwrap();

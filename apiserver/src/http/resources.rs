@@ -6,12 +6,14 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
+use super::AppState;
 use super::negotiate::{Encoding, Negotiated, Representation, Target, negotiate};
-use super::objects::{DeletePreconditions, FieldValidation, Validation, decide_delete, decide_update, prepare_create};
+use super::objects::{
+    DeletePreconditions, FieldValidation, Validation, decide_delete, decide_update, prepare_create,
+};
 use super::request::{Params, ResourcePath, decode_body};
 use super::status::ApiError;
 use super::table::{self, IncludeObject};
-use super::AppState;
 use crate::continuation::{ContinueToken, TokenError, query_fingerprint};
 use crate::store::{ListQuery, ListRow, Mutation, Store};
 
@@ -23,7 +25,11 @@ pub fn accept(headers: &HeaderMap, target: Target) -> Result<Negotiated, ApiErro
 pub fn include_object(params: &Params) -> Result<IncludeObject, ApiError> {
     match &params.include_object {
         None => Ok(IncludeObject::default()),
-        Some(s) => IncludeObject::parse(s).ok_or_else(|| ApiError::bad_request(format!("includeObject: unsupported value {s:?} (None, Metadata, Object)"))),
+        Some(s) => IncludeObject::parse(s).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "includeObject: unsupported value {s:?} (None, Metadata, Object)"
+            ))
+        }),
     }
 }
 
@@ -35,32 +41,55 @@ fn now() -> i64 {
 pub fn encode(code: StatusCode, n: Negotiated, list: bool, body: &Value) -> Response {
     let bytes = match n.encoding {
         Encoding::Json => serde_json::to_vec(body).expect("JSON values serialize"),
-        Encoding::Yaml => serde_yaml::to_string(body).expect("JSON values serialize as YAML").into_bytes(),
+        Encoding::Yaml => serde_yaml::to_string(body)
+            .expect("JSON values serialize as YAML")
+            .into_bytes(),
     };
     let mut response = (code, bytes).into_response();
-    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_str(&n.content_type(list)).expect("ASCII content type"));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_str(&n.content_type(list)).expect("ASCII content type"),
+    );
     response
 }
 
 /// Renders one object in the negotiated representation.
-pub fn render_object(path: &ResourcePath, n: Negotiated, include: IncludeObject, object: &Value) -> Value {
+pub fn render_object(
+    path: &ResourcePath,
+    n: Negotiated,
+    include: IncludeObject,
+    object: &Value,
+) -> Value {
     match n.representation {
         Representation::Object | Representation::Discovery(_) => object.clone(),
         Representation::Metadata(v) => table::partial_metadata(v, object["metadata"].clone()),
         Representation::Table(v) => {
             let rv = object["metadata"]["resourceVersion"].as_str().unwrap_or("");
-            table::table(path.resource, v, vec![table::row(path.resource, object, include, v, now())], rv, None)
+            table::table(
+                path.resource,
+                v,
+                vec![table::row(path.resource, object, include, v, now())],
+                rv,
+                None,
+            )
         }
     }
 }
 
-fn respond_object(code: StatusCode, path: &ResourcePath, n: Negotiated, include: IncludeObject, object: &Value) -> Response {
+fn respond_object(
+    code: StatusCode,
+    path: &ResourcePath,
+    n: Negotiated,
+    include: IncludeObject,
+    object: &Value,
+) -> Response {
     encode(code, n, false, &render_object(path, n, include, object))
 }
 
 /// A partial object good enough for table cells: metadata plus the indexed columns.
 pub fn table_source(path: &ResourcePath, row: &ListRow) -> Result<Value, ApiError> {
-    let metadata: Value = serde_json::from_str(&row.metadata).map_err(|e| ApiError::internal(format!("stored metadata is corrupt: {e}")))?;
+    let metadata: Value = serde_json::from_str(&row.metadata)
+        .map_err(|e| ApiError::internal(format!("stored metadata is corrupt: {e}")))?;
     let [pass, fail, warn, error, skip] = row.summary;
     let summary = json!({"pass": pass, "fail": fail, "warn": warn, "error": error, "skip": skip});
     Ok(match path.resource.layout {
@@ -69,11 +98,18 @@ pub fn table_source(path: &ResourcePath, row: &ListRow) -> Result<Value, ApiErro
             "scope": {"kind": row.scope_kind, "name": row.scope_name},
             "summary": summary,
         }),
-        reports_server_crds::ReportLayout::Spec => json!({"metadata": metadata, "spec": {"summary": summary}}),
+        reports_server_crds::ReportLayout::Spec => {
+            json!({"metadata": metadata, "spec": {"summary": summary}})
+        }
     })
 }
 
-pub async fn get(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap) -> Result<Response, ApiError> {
+pub async fn get(
+    state: &AppState,
+    path: &ResourcePath,
+    params: &Params,
+    headers: &HeaderMap,
+) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
     let include = include_object(params)?;
     let name = path.name.as_deref().expect("get has a name");
@@ -85,11 +121,22 @@ pub async fn get(state: &AppState, path: &ResourcePath, params: &Params, headers
     Ok(respond_object(StatusCode::OK, path, n, include, &object))
 }
 
-fn list_query(path: &ResourcePath, params: &Params, metadata_only: bool) -> Result<(ListQuery, String, Option<ContinueToken>), ApiError> {
-    let fingerprint = query_fingerprint(&Store::resource_key(path.resource), path.namespace.as_deref(), &params.labels.to_string(), &params.fields.to_string());
+fn list_query(
+    path: &ResourcePath,
+    params: &Params,
+    metadata_only: bool,
+) -> Result<(ListQuery, String, Option<ContinueToken>), ApiError> {
+    let fingerprint = query_fingerprint(
+        &Store::resource_key(path.resource),
+        path.namespace.as_deref(),
+        &params.labels.to_string(),
+        &params.fields.to_string(),
+    );
     let token = match &params.continue_token {
         Some(t) => Some(ContinueToken::decode(t, &fingerprint).map_err(|e| match e {
-            TokenError::Malformed(_) | TokenError::QueryMismatch => ApiError::bad_request(e.to_string()),
+            TokenError::Malformed(_) | TokenError::QueryMismatch => {
+                ApiError::bad_request(e.to_string())
+            }
         })?),
         None => None,
     };
@@ -99,7 +146,9 @@ fn list_query(path: &ResourcePath, params: &Params, metadata_only: bool) -> Resu
         labels: params.labels.clone(),
         fields: params.fields.clone(),
         limit: params.limit,
-        after: token.as_ref().map(|t| (t.namespace.clone(), t.name.clone())),
+        after: token
+            .as_ref()
+            .map(|t| (t.namespace.clone(), t.name.clone())),
         metadata_only,
     };
     Ok((query, fingerprint, token))
@@ -109,11 +158,15 @@ fn list_query(path: &ResourcePath, params: &Params, metadata_only: bool) -> Resu
 fn check_list_version(params: &Params, current: i64, compacted: i64) -> Result<(), ApiError> {
     let Some(rv) = params.resource_version.as_deref() else {
         if params.resource_version_match.is_some() {
-            return Err(ApiError::bad_request("resourceVersionMatch is forbidden unless resourceVersion is provided"));
+            return Err(ApiError::bad_request(
+                "resourceVersionMatch is forbidden unless resourceVersion is provided",
+            ));
         }
         return Ok(());
     };
-    let n: i64 = rv.parse().map_err(|_| ApiError::bad_request(format!("resourceVersion: invalid value {rv:?}")))?;
+    let n: i64 = rv
+        .parse()
+        .map_err(|_| ApiError::bad_request(format!("resourceVersion: invalid value {rv:?}")))?;
     if n > current {
         return Err(ApiError::new(StatusCode::GATEWAY_TIMEOUT, "Timeout", format!("Too large resource version: {n}, current: {current}"))
             .with_details(json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1})));
@@ -121,15 +174,25 @@ fn check_list_version(params: &Params, current: i64, compacted: i64) -> Result<(
     if params.resource_version_match.as_deref() == Some("Exact") && n != current {
         // The store serves the live table only; an older exact snapshot is gone, as after an
         // etcd compaction.
-        return Err(ApiError::gone(format!("The resourceVersion for the provided list is too old: {n} (current {current}, compacted {compacted})")));
+        return Err(ApiError::gone(format!(
+            "The resourceVersion for the provided list is too old: {n} (current {current}, compacted {compacted})"
+        )));
     }
     Ok(())
 }
 
-pub async fn list(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap) -> Result<Response, ApiError> {
+pub async fn list(
+    state: &AppState,
+    path: &ResourcePath,
+    params: &Params,
+    headers: &HeaderMap,
+) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Collection)?;
     let include = include_object(params)?;
-    let metadata_only = matches!(n.representation, Representation::Metadata(_) | Representation::Table(_)) && include != IncludeObject::Object;
+    let metadata_only = matches!(
+        n.representation,
+        Representation::Metadata(_) | Representation::Table(_)
+    ) && include != IncludeObject::Object;
     let (query, fingerprint, token) = list_query(path, params, metadata_only)?;
     let (current, compacted) = state.store.versions().await?;
     check_list_version(params, current, compacted)?;
@@ -140,7 +203,13 @@ pub async fn list(state: &AppState, path: &ResourcePath, params: &Params, header
     };
     let next = match (page.more, page.rows.last()) {
         (true, Some(last)) => Some(
-            ContinueToken { resource_version: list_rv, namespace: last.namespace.clone(), name: last.name.clone(), query: fingerprint }.encode(),
+            ContinueToken {
+                resource_version: list_rv,
+                namespace: last.namespace.clone(),
+                name: last.name.clone(),
+                query: fingerprint,
+            }
+            .encode(),
         ),
         _ => None,
     };
@@ -148,8 +217,13 @@ pub async fn list(state: &AppState, path: &ResourcePath, params: &Params, header
     match n.representation {
         Representation::Object | Representation::Discovery(_) if n.encoding == Encoding::Json => {
             // Fast path: stored bodies are spliced in without decoding.
-            let mut out = String::with_capacity(page.rows.iter().map(|r| r.body.len() + 1).sum::<usize>() + 256);
-            out.push_str(&format!("{{\"apiVersion\":\"{}\",\"items\":[", path.resource.api_version()));
+            let mut out = String::with_capacity(
+                page.rows.iter().map(|r| r.body.len() + 1).sum::<usize>() + 256,
+            );
+            out.push_str(&format!(
+                "{{\"apiVersion\":\"{}\",\"items\":[",
+                path.resource.api_version()
+            ));
             for (i, row) in page.rows.iter().enumerate() {
                 if i > 0 {
                     out.push(',');
@@ -160,22 +234,35 @@ pub async fn list(state: &AppState, path: &ResourcePath, params: &Params, header
             if let Some(c) = &next {
                 metadata["continue"] = json!(c);
             }
-            out.push_str(&format!("],\"kind\":\"{}\",\"metadata\":{}}}", path.resource.list_kind, metadata));
+            out.push_str(&format!(
+                "],\"kind\":\"{}\",\"metadata\":{}}}",
+                path.resource.list_kind, metadata
+            ));
             let mut response = (StatusCode::OK, out).into_response();
-            response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
             Ok(response)
         }
         Representation::Object | Representation::Discovery(_) => {
             let items = page
                 .rows
                 .iter()
-                .map(|r| crate::store::parse_document_public(&r.name, &r.body).map_err(ApiError::from))
+                .map(|r| {
+                    crate::store::parse_document_public(&r.name, &r.body).map_err(ApiError::from)
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             let mut metadata = json!({"resourceVersion": rv_string});
             if let Some(c) = &next {
                 metadata["continue"] = json!(c);
             }
-            Ok(encode(StatusCode::OK, n, true, &json!({"apiVersion": path.resource.api_version(), "items": items, "kind": path.resource.list_kind, "metadata": metadata})))
+            Ok(encode(
+                StatusCode::OK,
+                n,
+                true,
+                &json!({"apiVersion": path.resource.api_version(), "items": items, "kind": path.resource.list_kind, "metadata": metadata}),
+            ))
         }
         Representation::Metadata(v) => {
             let items = page
@@ -191,7 +278,12 @@ pub async fn list(state: &AppState, path: &ResourcePath, params: &Params, header
             if let Some(c) = &next {
                 metadata["continue"] = json!(c);
             }
-            Ok(encode(StatusCode::OK, n, true, &json!({"kind": "PartialObjectMetadataList", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata, "items": items})))
+            Ok(encode(
+                StatusCode::OK,
+                n,
+                true,
+                &json!({"kind": "PartialObjectMetadataList", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata, "items": items}),
+            ))
         }
         Representation::Table(v) => {
             let now = now();
@@ -207,7 +299,12 @@ pub async fn list(state: &AppState, path: &ResourcePath, params: &Params, header
                     Ok(table::row(path.resource, &source, include, v, now))
                 })
                 .collect::<Result<Vec<_>, ApiError>>()?;
-            Ok(encode(StatusCode::OK, n, true, &table::table(path.resource, v, rows, &rv_string, next.as_deref())))
+            Ok(encode(
+                StatusCode::OK,
+                n,
+                true,
+                &table::table(path.resource, v, rows, &rv_string, next.as_deref()),
+            ))
         }
     }
 }
@@ -224,33 +321,73 @@ fn with_warnings(mut response: Response, warnings: &[String]) -> Response {
 }
 
 fn validation(params: &Params, headers: &HeaderMap, body: &[u8]) -> Validation {
-    let json = content_type(headers).is_none_or(|c| c.split(';').next().unwrap_or("").trim().ends_with("json"));
-    Validation::new(FieldValidation::parse(params.field_validation.as_deref()), json.then_some(body))
+    let json = content_type(headers)
+        .is_none_or(|c| c.split(';').next().unwrap_or("").trim().ends_with("json"));
+    Validation::new(
+        FieldValidation::parse(params.field_validation.as_deref()),
+        json.then_some(body),
+    )
 }
 
 fn content_type(headers: &HeaderMap) -> Option<&str> {
-    headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok())
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
 }
 
-pub async fn create(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+pub async fn create(
+    state: &AppState,
+    path: &ResourcePath,
+    params: &Params,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
     let object = decode_body(content_type(headers), &body)?;
-    let (object, name, warnings) = prepare_create(path, object, &validation(params, headers, &body))?;
+    let (object, name, warnings) =
+        prepare_create(path, object, &validation(params, headers, &body))?;
     let outcome = state
         .store
-        .mutate(path.resource, path.object_namespace(), &name, params.dry_run, |current| {
-            if current.is_some() {
-                return Err(ApiError::already_exists(path.resource, &name));
-            }
-            Ok(Mutation::Put(object))
-        })
+        .mutate(
+            path.resource,
+            path.object_namespace(),
+            &name,
+            params.dry_run,
+            |current| {
+                if current.is_some() {
+                    return Err(ApiError::already_exists(path.resource, &name));
+                }
+                Ok(Mutation::Put(object))
+            },
+        )
         .await
-        .map_err(|e: ApiError| if e.reason == "AlreadyExists" { ApiError::already_exists(path.resource, &name) } else { e })?;
+        .map_err(|e: ApiError| {
+            if e.reason == "AlreadyExists" {
+                ApiError::already_exists(path.resource, &name)
+            } else {
+                e
+            }
+        })?;
     let object = outcome.object.expect("a create stores an object");
-    Ok(with_warnings(respond_object(StatusCode::CREATED, path, n, IncludeObject::default(), &object), &warnings))
+    Ok(with_warnings(
+        respond_object(
+            StatusCode::CREATED,
+            path,
+            n,
+            IncludeObject::default(),
+            &object,
+        ),
+        &warnings,
+    ))
 }
 
-pub async fn update(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+pub async fn update(
+    state: &AppState,
+    path: &ResourcePath,
+    params: &Params,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
     let desired = decode_body(content_type(headers), &body)?;
     let name = path.name.clone().expect("update has a name");
@@ -258,15 +395,24 @@ pub async fn update(state: &AppState, path: &ResourcePath, params: &Params, head
     let mut warnings = Vec::new();
     let outcome = state
         .store
-        .mutate(path.resource, path.object_namespace(), &name, params.dry_run, |current| {
-            decide_update(path, &name, current, desired, &validation).map(|(m, _, w)| {
-                warnings = w;
-                m
-            })
-        })
+        .mutate(
+            path.resource,
+            path.object_namespace(),
+            &name,
+            params.dry_run,
+            |current| {
+                decide_update(path, &name, current, desired, &validation).map(|(m, _, w)| {
+                    warnings = w;
+                    m
+                })
+            },
+        )
         .await?;
     let object = outcome.object.unwrap_or(Value::Null);
-    Ok(with_warnings(respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object), &warnings))
+    Ok(with_warnings(
+        respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object),
+        &warnings,
+    ))
 }
 
 /// The patch formats CRD storage accepts, minus server-side apply.
@@ -275,9 +421,21 @@ enum PatchKind {
     Json,
 }
 
-pub async fn patch(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+pub async fn patch(
+    state: &AppState,
+    path: &ResourcePath,
+    params: &Params,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
-    let media = content_type(headers).unwrap_or("").split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let media = content_type(headers)
+        .unwrap_or("")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     let kind = match media.as_str() {
         "application/merge-patch+json" => PatchKind::Merge,
         "application/json-patch+json" => PatchKind::Json,
@@ -290,9 +448,13 @@ pub async fn patch(state: &AppState, path: &ResourcePath, params: &Params, heade
         }
         other => return Err(ApiError::unsupported_media_type(other)),
     };
-    let patch: Value = serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("the patch is not valid JSON: {e}")))?;
+    let patch: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("the patch is not valid JSON: {e}")))?;
     let json_patch: Option<json_patch::Patch> = match kind {
-        PatchKind::Json => Some(serde_json::from_value(patch.clone()).map_err(|e| ApiError::bad_request(format!("the JSON patch is malformed: {e}")))?),
+        PatchKind::Json => Some(
+            serde_json::from_value(patch.clone())
+                .map_err(|e| ApiError::bad_request(format!("the JSON patch is malformed: {e}")))?,
+        ),
         PatchKind::Merge => {
             if !patch.is_object() {
                 return Err(ApiError::bad_request("a merge patch must be a JSON object"));
@@ -305,71 +467,140 @@ pub async fn patch(state: &AppState, path: &ResourcePath, params: &Params, heade
     let mut warnings = Vec::new();
     let outcome = state
         .store
-        .mutate(path.resource, path.object_namespace(), &name, params.dry_run, |current| {
-            let current = current.ok_or_else(|| ApiError::not_found(path.resource, &name))?;
-            let mut patched = current.clone();
-            match &json_patch {
-                Some(p) => json_patch::patch(&mut patched, p).map_err(|e| {
-                    ApiError::invalid(path.resource, &name, vec![(String::new(), format!("the JSON patch could not be applied: {e}"), "FieldValueInvalid")])
-                })?,
-                None => json_patch::merge(&mut patched, &patch),
-            }
-            decide_update(path, &name, Some(current), patched, &validation).map(|(m, _, w)| {
-                warnings = w;
-                m
-            })
-        })
+        .mutate(
+            path.resource,
+            path.object_namespace(),
+            &name,
+            params.dry_run,
+            |current| {
+                let current = current.ok_or_else(|| ApiError::not_found(path.resource, &name))?;
+                let mut patched = current.clone();
+                match &json_patch {
+                    Some(p) => json_patch::patch(&mut patched, p).map_err(|e| {
+                        ApiError::invalid(
+                            path.resource,
+                            &name,
+                            vec![(
+                                String::new(),
+                                format!("the JSON patch could not be applied: {e}"),
+                                "FieldValueInvalid",
+                            )],
+                        )
+                    })?,
+                    None => json_patch::merge(&mut patched, &patch),
+                }
+                decide_update(path, &name, Some(current), patched, &validation).map(|(m, _, w)| {
+                    warnings = w;
+                    m
+                })
+            },
+        )
         .await?;
     let object = outcome.object.unwrap_or(Value::Null);
-    Ok(with_warnings(respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object), &warnings))
+    Ok(with_warnings(
+        respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object),
+        &warnings,
+    ))
 }
 
-fn delete_options(headers: &HeaderMap, body: &Bytes, params: &Params) -> Result<DeletePreconditions, ApiError> {
-    let options = if body.iter().all(u8::is_ascii_whitespace) { Value::Null } else { decode_body(content_type(headers), body)? };
+fn delete_options(
+    headers: &HeaderMap,
+    body: &Bytes,
+    params: &Params,
+) -> Result<DeletePreconditions, ApiError> {
+    let options = if body.iter().all(u8::is_ascii_whitespace) {
+        Value::Null
+    } else {
+        decode_body(content_type(headers), body)?
+    };
     let mut pre = DeletePreconditions::from_body(&options)?;
     pre.dry_run |= params.dry_run;
     Ok(pre)
 }
 
-pub async fn delete(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+pub async fn delete(
+    state: &AppState,
+    path: &ResourcePath,
+    params: &Params,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
     let pre = delete_options(headers, &body, params)?;
     let name = path.name.clone().expect("delete has a name");
     let outcome = state
         .store
-        .mutate(path.resource, path.object_namespace(), &name, pre.dry_run, |current| decide_delete(path.resource, &name, current, &pre))
+        .mutate(
+            path.resource,
+            path.object_namespace(),
+            &name,
+            pre.dry_run,
+            |current| decide_delete(path.resource, &name, current, &pre),
+        )
         .await?;
     let object = outcome.object.unwrap_or(Value::Null);
-    Ok(respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object))
+    Ok(respond_object(
+        StatusCode::OK,
+        path,
+        n,
+        IncludeObject::default(),
+        &object,
+    ))
 }
 
 /// Deletes every matching object in one transaction and returns them as a list.
-pub async fn delete_collection(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+pub async fn delete_collection(
+    state: &AppState,
+    path: &ResourcePath,
+    params: &Params,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Collection)?;
     let pre = delete_options(headers, &body, params)?;
     if params.continue_token.is_some() || params.limit.is_some() {
-        return Err(ApiError::bad_request("deletecollection does not support limit or continue"));
+        return Err(ApiError::bad_request(
+            "deletecollection does not support limit or continue",
+        ));
     }
     let (query, _, _) = list_query(path, params, true)?;
     let page = state.store.list(&query).await?;
     let targets: Vec<crate::store::write_target::Target<'_>> = page
         .rows
         .iter()
-        .map(|r| crate::store::write_target::Target { resource: path.resource, namespace: &r.namespace, name: &r.name })
+        .map(|r| crate::store::write_target::Target {
+            resource: path.resource,
+            namespace: &r.namespace,
+            name: &r.name,
+        })
         .collect();
     let outcomes = state
         .store
         .mutate_batch(&targets, pre.dry_run, |i, current| match current {
             // Deleted by someone else since the list: nothing to do.
             None => Ok(Mutation::Unchanged),
-            Some(c) => decide_delete(path.resource, &page.rows[i].name, Some(c), &DeletePreconditions { dry_run: pre.dry_run, ..Default::default() }),
+            Some(c) => decide_delete(
+                path.resource,
+                &page.rows[i].name,
+                Some(c),
+                &DeletePreconditions {
+                    dry_run: pre.dry_run,
+                    ..Default::default()
+                },
+            ),
         })
         .await?;
-    let items: Vec<Value> = outcomes.into_iter().filter_map(|o| o.event.and(o.object)).collect();
+    let items: Vec<Value> = outcomes
+        .into_iter()
+        .filter_map(|o| o.event.and(o.object))
+        .collect();
     let (current, _) = state.store.versions().await?;
     Ok(encode(
         StatusCode::OK,
-        Negotiated { encoding: n.encoding, representation: Representation::Object },
+        Negotiated {
+            encoding: n.encoding,
+            representation: Representation::Object,
+        },
         true,
         &json!({"apiVersion": path.resource.api_version(), "items": items, "kind": path.resource.list_kind, "metadata": {"resourceVersion": current.to_string()}}),
     ))

@@ -17,11 +17,11 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 use tokio::sync::broadcast::error::RecvError;
 
+use super::AppState;
 use super::negotiate::{Negotiated, Representation, Target};
 use super::request::{Params, ResourcePath};
 use super::resources::{accept, include_object, render_object};
 use super::status::ApiError;
-use super::AppState;
 use crate::store::feed::read_changes;
 use crate::store::{Change, EventType, ListQuery, Store};
 
@@ -40,7 +40,11 @@ impl Filter {
         if change.resource != self.resource_key {
             return None;
         }
-        if self.namespace.as_deref().is_some_and(|ns| ns != change.namespace) {
+        if self
+            .namespace
+            .as_deref()
+            .is_some_and(|ns| ns != change.namespace)
+        {
             return None;
         }
         if !self.params.fields.matches(&change.namespace, &change.name) {
@@ -51,7 +55,10 @@ impl Filter {
             return Some(change.event);
         }
         let now = labels.matches(&change.labels);
-        let before = change.prev_labels.as_ref().is_some_and(|l| labels.matches(l));
+        let before = change
+            .prev_labels
+            .as_ref()
+            .is_some_and(|l| labels.matches(l));
         match (change.event, before, now) {
             (EventType::Deleted, _, _) => now.then_some(EventType::Deleted),
             (EventType::Added, _, true) => Some(EventType::Added),
@@ -64,7 +71,8 @@ impl Filter {
 }
 
 fn event_line(kind: &str, object: &Value) -> Bytes {
-    let mut line = serde_json::to_vec(&json!({"type": kind, "object": object})).expect("events serialize");
+    let mut line =
+        serde_json::to_vec(&json!({"type": kind, "object": object})).expect("events serialize");
     line.push(b'\n');
     Bytes::from(line)
 }
@@ -73,10 +81,17 @@ fn error_event(e: &ApiError) -> Bytes {
     event_line("ERROR", &e.status())
 }
 
-pub async fn watch(state: &AppState, path: &ResourcePath, params: &Params, headers: &HeaderMap) -> Result<Response, ApiError> {
+pub async fn watch(
+    state: &AppState,
+    path: &ResourcePath,
+    params: &Params,
+    headers: &HeaderMap,
+) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Collection)?;
     let include = include_object(params)?;
-    if params.send_initial_events.is_some() && params.resource_version_match.as_deref() != Some("NotOlderThan") {
+    if params.send_initial_events.is_some()
+        && params.resource_version_match.as_deref() != Some("NotOlderThan")
+    {
         return Err(ApiError::invalid(
             path.resource,
             "",
@@ -87,17 +102,25 @@ pub async fn watch(state: &AppState, path: &ResourcePath, params: &Params, heade
         return Err(ApiError::invalid(
             path.resource,
             "",
-            vec![("allowWatchBookmarks".into(), "Forbidden: sendInitialEvents requires allowWatchBookmarks=true".into(), "FieldValueForbidden")],
+            vec![(
+                "allowWatchBookmarks".into(),
+                "Forbidden: sendInitialEvents requires allowWatchBookmarks=true".into(),
+                "FieldValueForbidden",
+            )],
         ));
     }
     if params.send_initial_events.is_none() && params.resource_version_match.is_some() {
-        return Err(ApiError::bad_request("resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided"));
+        return Err(ApiError::bad_request(
+            "resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided",
+        ));
     }
     let store = state.store.clone();
     let (current, compacted) = store.versions().await?;
     let requested: Option<i64> = match params.resource_version.as_deref() {
         None | Some("0") => None,
-        Some(rv) => Some(rv.parse().map_err(|_| ApiError::bad_request(format!("resourceVersion: invalid value {rv:?}")))?),
+        Some(rv) => Some(rv.parse().map_err(|_| {
+            ApiError::bad_request(format!("resourceVersion: invalid value {rv:?}"))
+        })?),
     };
     // `None`: begin with the current state as synthetic ADDED events.
     let (start, initial_events_end) = match params.send_initial_events {
@@ -106,8 +129,15 @@ pub async fn watch(state: &AppState, path: &ResourcePath, params: &Params, heade
         Some(false) => (Some(requested.unwrap_or(current)), false),
         None => (requested, false),
     };
-    let filter = Filter { resource_key: Store::resource_key(path.resource), namespace: path.namespace.clone(), params: params.clone() };
-    let timeout = params.timeout_seconds.map(Duration::from_secs).unwrap_or(DEFAULT_TIMEOUT);
+    let filter = Filter {
+        resource_key: Store::resource_key(path.resource),
+        namespace: path.namespace.clone(),
+        params: params.clone(),
+    };
+    let timeout = params
+        .timeout_seconds
+        .map(Duration::from_secs)
+        .unwrap_or(DEFAULT_TIMEOUT);
     let bookmarks = params.allow_watch_bookmarks;
     let bookmark_interval = state.options.bookmark_interval;
     let path = path.clone();
@@ -211,9 +241,19 @@ pub async fn watch(state: &AppState, path: &ResourcePath, params: &Params, heade
     let mut response = (StatusCode::OK, Body::from_stream(stream)).into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,
-        HeaderValue::from_str(&super::negotiate::Negotiated { encoding: super::negotiate::Encoding::Json, ..n }.content_type(false)).expect("ASCII"),
+        HeaderValue::from_str(
+            &super::negotiate::Negotiated {
+                encoding: super::negotiate::Encoding::Json,
+                ..n
+            }
+            .content_type(false),
+        )
+        .expect("ASCII"),
     );
-    response.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache, private"));
+    response.headers_mut().insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("no-cache, private"),
+    );
     Ok(response)
 }
 
@@ -231,8 +271,14 @@ fn bookmark_object(path: &ResourcePath, n: Negotiated, rv: i64, initial_events_e
         metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
     }
     match n.representation {
-        Representation::Metadata(v) => json!({"kind": "PartialObjectMetadata", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata}),
-        Representation::Table(v) => json!({"kind": "Table", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata, "columnDefinitions": [], "rows": []}),
-        _ => json!({"apiVersion": path.resource.api_version(), "kind": path.resource.kind, "metadata": metadata}),
+        Representation::Metadata(v) => {
+            json!({"kind": "PartialObjectMetadata", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata})
+        }
+        Representation::Table(v) => {
+            json!({"kind": "Table", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata, "columnDefinitions": [], "rows": []})
+        }
+        _ => {
+            json!({"apiVersion": path.resource.api_version(), "kind": path.resource.kind, "metadata": metadata})
+        }
     }
 }

@@ -45,11 +45,20 @@ impl ObjectColumns {
         let scope = &object["scope"];
         let labels = meta["labels"]
             .as_object()
-            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned())).collect())
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                    .collect()
+            })
             .unwrap_or_default();
         let owner_uids = meta["ownerReferences"]
             .as_array()
-            .map(|refs| refs.iter().filter_map(|r| r["uid"].as_str()).collect::<Vec<_>>().join(","))
+            .map(|refs| {
+                refs.iter()
+                    .filter_map(|r| r["uid"].as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
             .unwrap_or_default();
         ObjectColumns {
             uid: meta["uid"].as_str().unwrap_or_default().to_owned(),
@@ -57,7 +66,13 @@ impl ObjectColumns {
             created_at: parse_time(meta.get("creationTimestamp")).unwrap_or(0),
             deleted_at: parse_time(meta.get("deletionTimestamp")),
             owner_uids,
-            summary: [count("pass"), count("fail"), count("warn"), count("error"), count("skip")],
+            summary: [
+                count("pass"),
+                count("fail"),
+                count("warn"),
+                count("error"),
+                count("skip"),
+            ],
             scope_kind: string(scope.get("kind")),
             scope_namespace: string(scope.get("namespace")),
             scope_name: string(scope.get("name")),
@@ -95,12 +110,17 @@ pub fn result_rows(desc: &ResourceDescriptor, object: &Value) -> Vec<ResultRow> 
     if desc.layout == ReportLayout::Spec {
         return Vec::new();
     }
-    let Some(results) = object["results"].as_array() else { return Vec::new() };
+    let Some(results) = object["results"].as_array() else {
+        return Vec::new();
+    };
     let scope = &object["scope"];
     results
         .iter()
         .map(|r| {
-            let subject = r["resources"].as_array().and_then(|a| a.first()).unwrap_or(scope);
+            let subject = r["resources"]
+                .as_array()
+                .and_then(|a| a.first())
+                .unwrap_or(scope);
             ResultRow {
                 source: string(r.get("source")),
                 policy: r["policy"].as_str().unwrap_or_default().to_owned(),
@@ -131,7 +151,8 @@ mod tests {
     #[test]
     fn policy_report_columns() {
         let subject = Subject::pod("ns", 3);
-        let mut report = serde_json::to_value(pss_policy_report(&subject, 1_700_000_000, &[0, 4])).unwrap();
+        let mut report =
+            serde_json::to_value(pss_policy_report(&subject, 1_700_000_000, &[0, 4])).unwrap();
         report["metadata"]["creationTimestamp"] = "2024-01-01T00:00:10Z".into();
         let cols = ObjectColumns::of(&catalog::POLICY_REPORT, &report);
         assert_eq!(cols.summary, [17, 2, 0, 0, 0]);
@@ -141,13 +162,19 @@ mod tests {
         assert_eq!(cols.labels["app.kubernetes.io/managed-by"], "kyverno");
         let rows = result_rows(&catalog::POLICY_REPORT, &report);
         assert_eq!(rows.len(), 19);
-        assert_eq!(rows.iter().filter(|r| r.result.as_deref() == Some("fail")).count(), 2);
+        assert_eq!(
+            rows.iter()
+                .filter(|r| r.result.as_deref() == Some("fail"))
+                .count(),
+            2
+        );
         assert_eq!(rows[0].subject_uid.as_deref(), Some(subject.uid.as_str()));
     }
 
     #[test]
     fn ephemeral_summary_lives_in_spec() {
-        let eph = serde_json::to_value(pss_ephemeral_report(&Subject::pod("ns", 1), 1, &[2])).unwrap();
+        let eph =
+            serde_json::to_value(pss_ephemeral_report(&Subject::pod("ns", 1), 1, &[2])).unwrap();
         let cols = ObjectColumns::of(&catalog::EPHEMERAL_REPORT, &eph);
         assert_eq!(cols.summary, [18, 1, 0, 0, 0]);
         assert!(result_rows(&catalog::EPHEMERAL_REPORT, &eph).is_empty());

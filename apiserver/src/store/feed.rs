@@ -89,7 +89,12 @@ impl ChangeFeed {
     pub fn new() -> Self {
         let (sender, _) = broadcast::channel(BROADCAST_CAPACITY);
         ChangeFeed {
-            inner: Arc::new(FeedInner { sender, wake: Notify::new(), delivered: AtomicI64::new(0), gate: Default::default() }),
+            inner: Arc::new(FeedInner {
+                sender,
+                wake: Notify::new(),
+                delivered: AtomicI64::new(0),
+                gate: Default::default(),
+            }),
         }
     }
 
@@ -103,7 +108,10 @@ impl ChangeFeed {
     /// from the change log.
     pub async fn subscribe(&self) -> (broadcast::Receiver<Arc<Change>>, i64) {
         let _gate = self.inner.gate.lock().await;
-        (self.inner.sender.subscribe(), self.inner.delivered.load(Ordering::SeqCst))
+        (
+            self.inner.sender.subscribe(),
+            self.inner.delivered.load(Ordering::SeqCst),
+        )
     }
 
     /// Highest resourceVersion broadcast so far.
@@ -153,7 +161,9 @@ impl ChangeFeed {
             let full = changes.len() as u64 == BATCH;
             let _gate = self.inner.gate.lock().await;
             for change in changes {
-                self.inner.delivered.store(change.resource_version, Ordering::SeqCst);
+                self.inner
+                    .delivered
+                    .store(change.resource_version, Ordering::SeqCst);
                 // No receivers is fine: nobody is watching.
                 let _ = self.inner.sender.send(Arc::new(change));
             }
@@ -165,14 +175,28 @@ impl ChangeFeed {
 }
 
 /// Reads change-log entries with `after < rv <= up_to`, in order.
-pub async fn read_changes(store: &Store, after: i64, up_to: Option<i64>, limit: u64) -> Result<Vec<Change>, StoreError> {
+pub async fn read_changes(
+    store: &Store,
+    after: i64,
+    up_to: Option<i64>,
+    limit: u64,
+) -> Result<Vec<Change>, StoreError> {
     let mut q = Query::select();
-    q.columns([Changes::Rv, Changes::Resource, Changes::Namespace, Changes::Name, Changes::EventType, Changes::Labels, Changes::PrevLabels, Changes::Body])
-        .from(Changes::Table)
-        .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
-        .and_where(Expr::col(Changes::Rv).gt(after))
-        .order_by(Changes::Rv, Order::Asc)
-        .limit(limit);
+    q.columns([
+        Changes::Rv,
+        Changes::Resource,
+        Changes::Namespace,
+        Changes::Name,
+        Changes::EventType,
+        Changes::Labels,
+        Changes::PrevLabels,
+        Changes::Body,
+    ])
+    .from(Changes::Table)
+    .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
+    .and_where(Expr::col(Changes::Rv).gt(after))
+    .order_by(Changes::Rv, Order::Asc)
+    .limit(limit);
     if let Some(up_to) = up_to {
         q.and_where(Expr::col(Changes::Rv).lte(up_to));
     }
@@ -189,10 +213,14 @@ pub async fn read_changes(store: &Store, after: i64, up_to: Option<i64>, limit: 
                 resource: r.try_get("", "resource")?,
                 namespace: r.try_get("", "namespace")?,
                 name: r.try_get("", "name")?,
-                event: EventType::parse(&event).ok_or_else(|| StoreError::Corrupt(format!("change {rv}"), event.clone()))?,
-                labels: serde_json::from_str(&labels).map_err(|e| StoreError::Corrupt(format!("change {rv} labels"), e.to_string()))?,
-                prev_labels: serde_json::from_str(&prev_labels)
-                    .map_err(|e| StoreError::Corrupt(format!("change {rv} previous labels"), e.to_string()))?,
+                event: EventType::parse(&event)
+                    .ok_or_else(|| StoreError::Corrupt(format!("change {rv}"), event.clone()))?,
+                labels: serde_json::from_str(&labels).map_err(|e| {
+                    StoreError::Corrupt(format!("change {rv} labels"), e.to_string())
+                })?,
+                prev_labels: serde_json::from_str(&prev_labels).map_err(|e| {
+                    StoreError::Corrupt(format!("change {rv} previous labels"), e.to_string())
+                })?,
                 object: Arc::new(parse_document(&format!("change {rv}"), &body)?),
             })
         })
@@ -221,7 +249,9 @@ fn spawn_pg_listener(store: Store, feed: ChangeFeed) {
                         }
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot open a LISTEN connection; relying on polling"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot open a LISTEN connection; relying on polling")
+                }
             }
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }

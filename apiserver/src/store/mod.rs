@@ -23,7 +23,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reports_server_crds::ResourceDescriptor;
-use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, Statement};
+use sea_orm::{
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, Statement,
+};
 use sea_orm_migration::MigratorTrait;
 use serde_json::Value;
 
@@ -155,7 +157,8 @@ impl Store {
         if self.backend == DbBackend::Postgres {
             // The lock is per session, so take it on a dedicated transaction-scoped lock instead.
             let txn = sea_orm::TransactionTrait::begin(&self.db).await?;
-            txn.execute_unprepared("SELECT pg_advisory_xact_lock(7242519)").await?;
+            txn.execute_unprepared("SELECT pg_advisory_xact_lock(7242519)")
+                .await?;
             let result = migration::Migrator::up(&txn, None).await;
             match result {
                 Ok(()) => txn.commit().await?,
@@ -172,14 +175,22 @@ impl Store {
 
     async fn ensure_state_row(&self) -> Result<(), StoreError> {
         let sql = match self.backend {
-            DbBackend::MySql => "INSERT IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, 0, 0)",
+            DbBackend::MySql => {
+                "INSERT IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, 0, 0)"
+            }
             DbBackend::Postgres => {
                 "INSERT INTO store_state (cluster_id, rv, compacted_rv) VALUES ($1, 0, 0) ON CONFLICT DO NOTHING"
             }
-            _ => "INSERT OR IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, 0, 0)",
+            _ => {
+                "INSERT OR IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, 0, 0)"
+            }
         };
         self.db
-            .execute_raw(Statement::from_sql_and_values(self.backend, sql, [self.cluster_id.to_string().into()]))
+            .execute_raw(Statement::from_sql_and_values(
+                self.backend,
+                sql,
+                [self.cluster_id.to_string().into()],
+            ))
             .await?;
         Ok(())
     }
@@ -206,7 +217,10 @@ impl Store {
 
     /// Fails when the database does not answer; `/readyz` uses it.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.db.ping().await.map_err(|e| StoreError::Unavailable(e.to_string()))
+        self.db
+            .ping()
+            .await
+            .map_err(|e| StoreError::Unavailable(e.to_string()))
     }
 
     /// The newest committed resourceVersion and the oldest one a watch can resume from.

@@ -2,7 +2,10 @@
 
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{Alias, Cond, Expr, ExprTrait, Order, Query, SelectStatement};
-use sea_orm::{AccessMode, ConnectionTrait, DbBackend, IsolationLevel, QueryResult, Statement, TransactionTrait};
+use sea_orm::{
+    AccessMode, ConnectionTrait, DbBackend, IsolationLevel, QueryResult, Statement,
+    TransactionTrait,
+};
 use serde_json::Value;
 
 use super::migration::m20261121_000001_initial::{ObjectLabels, Objects, StoreState};
@@ -50,7 +53,11 @@ pub struct ListPage {
     pub more: bool,
 }
 
-pub(super) async fn versions(db: &impl ConnectionTrait, backend: DbBackend, cluster_id: &str) -> Result<(i64, i64), StoreError> {
+pub(super) async fn versions(
+    db: &impl ConnectionTrait,
+    backend: DbBackend,
+    cluster_id: &str,
+) -> Result<(i64, i64), StoreError> {
     let row = db
         .query_one(
             &Query::select()
@@ -60,7 +67,11 @@ pub(super) async fn versions(db: &impl ConnectionTrait, backend: DbBackend, clus
                 .to_owned(),
         )
         .await?
-        .ok_or_else(|| StoreError::Database(format!("store_state has no row for cluster {cluster_id} ({backend:?})")))?;
+        .ok_or_else(|| {
+            StoreError::Database(format!(
+                "store_state has no row for cluster {cluster_id} ({backend:?})"
+            ))
+        })?;
     Ok((row.try_get("", "rv")?, row.try_get("", "compacted_rv")?))
 }
 
@@ -84,7 +95,11 @@ fn row_of(row: &QueryResult, with_body: bool) -> Result<ListRow, StoreError> {
         name: row.try_get("", "name")?,
         resource_version: row.try_get("", "resource_version")?,
         metadata: row.try_get("", "metadata")?,
-        body: if with_body { row.try_get("", "body")? } else { String::new() },
+        body: if with_body {
+            row.try_get("", "body")?
+        } else {
+            String::new()
+        },
         summary: [
             row.try_get("", "summary_pass")?,
             row.try_get("", "summary_fail")?,
@@ -102,10 +117,15 @@ fn label_condition(req: &Requirement) -> Cond {
         let mut q = Query::select();
         q.expr(Expr::val(1))
             .from_as(ObjectLabels::Table, Alias::new("l"))
-            .and_where(Expr::col((Alias::new("l"), ObjectLabels::ObjectId)).equals((Objects::Table, Objects::Id)))
+            .and_where(
+                Expr::col((Alias::new("l"), ObjectLabels::ObjectId))
+                    .equals((Objects::Table, Objects::Id)),
+            )
             .and_where(Expr::col((Alias::new("l"), ObjectLabels::Key)).eq(key));
         if let Some(values) = values {
-            q.and_where(Expr::col((Alias::new("l"), ObjectLabels::Value)).is_in(values.iter().cloned()));
+            q.and_where(
+                Expr::col((Alias::new("l"), ObjectLabels::Value)).is_in(values.iter().cloned()),
+            );
         }
         q.to_owned()
     };
@@ -125,7 +145,9 @@ impl Store {
             .column((Objects::Table, Objects::ScopeName))
             .from(Objects::Table)
             .and_where(Expr::col((Objects::Table, Objects::ClusterId)).eq(self.cluster_id()))
-            .and_where(Expr::col((Objects::Table, Objects::Resource)).eq(Store::resource_key(desc)));
+            .and_where(
+                Expr::col((Objects::Table, Objects::Resource)).eq(Store::resource_key(desc)),
+            );
         if with_body {
             q.column((Objects::Table, Objects::Body));
         }
@@ -133,19 +155,36 @@ impl Store {
     }
 
     /// Reads one object.
-    pub async fn get(&self, desc: &ResourceDescriptor, namespace: &str, name: &str) -> Result<Option<ListRow>, StoreError> {
+    pub async fn get(
+        &self,
+        desc: &ResourceDescriptor,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<ListRow>, StoreError> {
         let q = self
             .select_objects(desc, true)
             .and_where(Expr::col((Objects::Table, Objects::Namespace)).eq(namespace))
             .and_where(Expr::col((Objects::Table, Objects::Name)).eq(name))
             .to_owned();
-        self.connection().query_one(&q).await?.map(|r| row_of(&r, true)).transpose()
+        self.connection()
+            .query_one(&q)
+            .await?
+            .map(|r| row_of(&r, true))
+            .transpose()
     }
 
     /// Reads one object and decodes it.
-    pub async fn get_object(&self, desc: &ResourceDescriptor, namespace: &str, name: &str) -> Result<Option<Value>, StoreError> {
+    pub async fn get_object(
+        &self,
+        desc: &ResourceDescriptor,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<Value>, StoreError> {
         match self.get(desc, namespace, name).await? {
-            Some(row) => Ok(Some(parse_document(&format!("{namespace}/{name}"), &row.body)?)),
+            Some(row) => Ok(Some(parse_document(
+                &format!("{namespace}/{name}"),
+                &row.body,
+            )?)),
             None => Ok(None),
         }
     }
@@ -162,7 +201,11 @@ impl Store {
                 Field::Name => name_col.clone(),
                 Field::Namespace => ns_col.clone(),
             };
-            q.and_where(if req.equal { col.eq(req.value.as_str()) } else { col.ne(req.value.as_str()) });
+            q.and_where(if req.equal {
+                col.eq(req.value.as_str())
+            } else {
+                col.ne(req.value.as_str())
+            });
         }
         for req in &query.labels.0 {
             q.cond_where(label_condition(req));
@@ -170,11 +213,14 @@ impl Store {
         if let Some((ns, name)) = &query.after {
             q.cond_where(
                 Cond::any().add(ns_col.clone().gt(ns.as_str())).add(
-                    Cond::all().add(ns_col.clone().eq(ns.as_str())).add(name_col.clone().gt(name.as_str())),
+                    Cond::all()
+                        .add(ns_col.clone().eq(ns.as_str()))
+                        .add(name_col.clone().gt(name.as_str())),
                 ),
             );
         }
-        q.order_by((Objects::Table, Objects::Namespace), Order::Asc).order_by((Objects::Table, Objects::Name), Order::Asc);
+        q.order_by((Objects::Table, Objects::Namespace), Order::Asc)
+            .order_by((Objects::Table, Objects::Name), Order::Asc);
         if let Some(limit) = query.limit {
             q.limit(limit + 1);
         }
@@ -185,19 +231,31 @@ impl Store {
     pub async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
         let txn = match self.backend() {
             DbBackend::Postgres | DbBackend::MySql => {
-                self.connection().begin_with_config(Some(IsolationLevel::RepeatableRead), Some(AccessMode::ReadOnly)).await?
+                self.connection()
+                    .begin_with_config(
+                        Some(IsolationLevel::RepeatableRead),
+                        Some(AccessMode::ReadOnly),
+                    )
+                    .await?
             }
             _ => self.connection().begin().await?,
         };
         let (resource_version, _) = versions(&txn, self.backend(), self.cluster_id()).await?;
         let rows = txn.query_all(&self.list_statement(query)).await?;
         txn.commit().await?;
-        let mut rows = rows.iter().map(|r| row_of(r, !query.metadata_only)).collect::<Result<Vec<_>, _>>()?;
+        let mut rows = rows
+            .iter()
+            .map(|r| row_of(r, !query.metadata_only))
+            .collect::<Result<Vec<_>, _>>()?;
         let more = query.limit.is_some_and(|l| rows.len() as u64 > l);
         if more {
             rows.pop();
         }
-        Ok(ListPage { rows, resource_version, more })
+        Ok(ListPage {
+            rows,
+            resource_version,
+            more,
+        })
     }
 
     /// Counts objects of a kind (all namespaces); for metrics and benchmarks.
@@ -208,12 +266,19 @@ impl Store {
             .and_where(Expr::col(Objects::ClusterId).eq(self.cluster_id()))
             .and_where(Expr::col(Objects::Resource).eq(Store::resource_key(desc)))
             .to_owned();
-        let row = self.connection().query_one(&q).await?.ok_or_else(|| StoreError::Database("COUNT returned nothing".into()))?;
+        let row = self
+            .connection()
+            .query_one(&q)
+            .await?
+            .ok_or_else(|| StoreError::Database("COUNT returned nothing".into()))?;
         Ok(row.try_get("", "n")?)
     }
 
     /// Runs a raw statement; for tests and the analytics examples.
     pub async fn query_raw(&self, sql: &str) -> Result<Vec<QueryResult>, StoreError> {
-        Ok(self.connection().query_all_raw(Statement::from_string(self.backend(), sql)).await?)
+        Ok(self
+            .connection()
+            .query_all_raw(Statement::from_string(self.backend(), sql))
+            .await?)
     }
 }

@@ -11,7 +11,9 @@ use serde_json::Value;
 
 use super::columns::{ObjectColumns, result_rows};
 use super::feed::EventType;
-use super::migration::m20261121_000001_initial::{Changes, ObjectLabels, Objects, Results, StoreState};
+use super::migration::m20261121_000001_initial::{
+    Changes, ObjectLabels, Objects, Results, StoreState,
+};
 use super::{Store, StoreError, parse_document};
 
 /// What a write does to one object, decided from its current state.
@@ -42,7 +44,10 @@ pub struct Target<'a> {
 }
 
 fn now_unix() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
 }
 
 impl Store {
@@ -61,15 +66,26 @@ impl Store {
     {
         let mut decide = Some(decide);
         let mut outcomes = self
-            .mutate_batch(&[Target { resource, namespace, name }], dry_run, |_, current| {
-                (decide.take().expect("called once per target"))(current)
-            })
+            .mutate_batch(
+                &[Target {
+                    resource,
+                    namespace,
+                    name,
+                }],
+                dry_run,
+                |_, current| (decide.take().expect("called once per target"))(current),
+            )
             .await?;
         Ok(outcomes.pop().expect("one outcome per target"))
     }
 
     /// Applies a decision to each target in one transaction: all of them or none.
-    pub async fn mutate_batch<E, F>(&self, targets: &[Target<'_>], dry_run: bool, mut decide: F) -> Result<Vec<WriteOutcome>, E>
+    pub async fn mutate_batch<E, F>(
+        &self,
+        targets: &[Target<'_>],
+        dry_run: bool,
+        mut decide: F,
+    ) -> Result<Vec<WriteOutcome>, E>
     where
         E: From<StoreError>,
         F: FnMut(usize, Option<Value>) -> Result<Mutation, E>,
@@ -81,12 +97,24 @@ impl Store {
                 let rv = current.as_ref().and_then(current_rv).unwrap_or(0);
                 outcomes.push(match decide(i, current.clone())? {
                     Mutation::Put(object) => WriteOutcome {
-                        event: Some(if current.is_some() { EventType::Modified } else { EventType::Added }),
+                        event: Some(if current.is_some() {
+                            EventType::Modified
+                        } else {
+                            EventType::Added
+                        }),
                         object: Some(object),
                         resource_version: rv,
                     },
-                    Mutation::Delete => WriteOutcome { object: current, event: Some(EventType::Deleted), resource_version: rv },
-                    Mutation::Unchanged => WriteOutcome { object: current, event: None, resource_version: rv },
+                    Mutation::Delete => WriteOutcome {
+                        object: current,
+                        event: Some(EventType::Deleted),
+                        resource_version: rv,
+                    },
+                    Mutation::Unchanged => WriteOutcome {
+                        object: current,
+                        event: None,
+                        resource_version: rv,
+                    },
                 });
             }
             return Ok(outcomes);
@@ -110,7 +138,12 @@ impl Store {
         }
     }
 
-    async fn write_in<E, F>(&self, txn: &DatabaseTransaction, targets: &[Target<'_>], decide: &mut F) -> Result<(Vec<WriteOutcome>, bool), E>
+    async fn write_in<E, F>(
+        &self,
+        txn: &DatabaseTransaction,
+        targets: &[Target<'_>],
+        decide: &mut F,
+    ) -> Result<(Vec<WriteOutcome>, bool), E>
     where
         E: From<StoreError>,
         F: FnMut(usize, Option<Value>) -> Result<Mutation, E>,
@@ -134,7 +167,10 @@ impl Store {
             let key = Store::resource_key(target.resource);
             let current = self.locked_current(txn, &key, target).await?;
             let current_object = match &current {
-                Some((_, body)) => Some(parse_document(&format!("{}/{}", target.namespace, target.name), body)?),
+                Some((_, body)) => Some(parse_document(
+                    &format!("{}/{}", target.namespace, target.name),
+                    body,
+                )?),
                 None => None,
             };
             let outcome = match decide(i, current_object.clone())? {
@@ -156,8 +192,22 @@ impl Store {
                             EventType::Added
                         }
                     };
-                    self.append_change(txn, &key, target, event, &object, current_object.as_ref(), rv, now).await?;
-                    WriteOutcome { object: Some(object), event: Some(event), resource_version: rv }
+                    self.append_change(
+                        txn,
+                        &key,
+                        target,
+                        event,
+                        &object,
+                        current_object.as_ref(),
+                        rv,
+                        now,
+                    )
+                    .await?;
+                    WriteOutcome {
+                        object: Some(object),
+                        event: Some(event),
+                        resource_version: rv,
+                    }
                 }
                 Mutation::Delete => match (current, current_object) {
                     (Some((id, _)), Some(mut object)) => {
@@ -165,10 +215,28 @@ impl Store {
                         self.delete_row(txn, id).await?;
                         object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
                         let previous = object.clone();
-                        self.append_change(txn, &key, target, EventType::Deleted, &object, Some(&previous), rv, now).await?;
-                        WriteOutcome { object: Some(object), event: Some(EventType::Deleted), resource_version: rv }
+                        self.append_change(
+                            txn,
+                            &key,
+                            target,
+                            EventType::Deleted,
+                            &object,
+                            Some(&previous),
+                            rv,
+                            now,
+                        )
+                        .await?;
+                        WriteOutcome {
+                            object: Some(object),
+                            event: Some(EventType::Deleted),
+                            resource_version: rv,
+                        }
                     }
-                    _ => WriteOutcome { object: None, event: None, resource_version: base_rv },
+                    _ => WriteOutcome {
+                        object: None,
+                        event: None,
+                        resource_version: base_rv,
+                    },
                 },
             };
             outcomes.push(outcome);
@@ -184,13 +252,20 @@ impl Store {
             .await
             .map_err(StoreError::from)?;
             if self.backend() == DbBackend::Postgres {
-                txn.execute_unprepared(&format!("NOTIFY reports_server_changes, '{rv}'")).await.map_err(StoreError::from)?;
+                txn.execute_unprepared(&format!("NOTIFY reports_server_changes, '{rv}'"))
+                    .await
+                    .map_err(StoreError::from)?;
             }
         }
         Ok((outcomes, rv != base_rv))
     }
 
-    async fn locked_current(&self, txn: &DatabaseTransaction, key: &str, t: &Target<'_>) -> Result<Option<(i64, String)>, StoreError> {
+    async fn locked_current(
+        &self,
+        txn: &DatabaseTransaction,
+        key: &str,
+        t: &Target<'_>,
+    ) -> Result<Option<(i64, String)>, StoreError> {
         let row = txn
             .query_one(
                 &Query::select()
@@ -209,7 +284,14 @@ impl Store {
         }
     }
 
-    async fn insert_row(&self, txn: &DatabaseTransaction, key: &str, t: &Target<'_>, object: &Value, rv: i64) -> Result<(), StoreError> {
+    async fn insert_row(
+        &self,
+        txn: &DatabaseTransaction,
+        key: &str,
+        t: &Target<'_>,
+        object: &Value,
+        rv: i64,
+    ) -> Result<(), StoreError> {
         let cols = ObjectColumns::of(t.resource, object);
         let mut insert = Query::insert();
         insert
@@ -266,12 +348,20 @@ impl Store {
         } else {
             insert.returning_col(Objects::Id);
             let row = txn.query_one(&insert).await.map_err(unique_to_exists)?;
-            row.ok_or_else(|| StoreError::Database("INSERT … RETURNING returned no row".into()))?.try_get("", "id")?
+            row.ok_or_else(|| StoreError::Database("INSERT … RETURNING returned no row".into()))?
+                .try_get("", "id")?
         };
         self.write_side_rows(txn, id, key, t, object, &cols).await
     }
 
-    async fn update_row(&self, txn: &DatabaseTransaction, id: i64, t: &Target<'_>, object: &Value, rv: i64) -> Result<(), StoreError> {
+    async fn update_row(
+        &self,
+        txn: &DatabaseTransaction,
+        id: i64,
+        t: &Target<'_>,
+        object: &Value,
+        rv: i64,
+    ) -> Result<(), StoreError> {
         let cols = ObjectColumns::of(t.resource, object);
         txn.execute(
             &Query::update()
@@ -305,14 +395,31 @@ impl Store {
     }
 
     async fn delete_row(&self, txn: &DatabaseTransaction, id: i64) -> Result<(), StoreError> {
-        txn.execute(&Query::delete().from_table(Objects::Table).and_where(Expr::col(Objects::Id).eq(id)).to_owned()).await?;
+        txn.execute(
+            &Query::delete()
+                .from_table(Objects::Table)
+                .and_where(Expr::col(Objects::Id).eq(id))
+                .to_owned(),
+        )
+        .await?;
         self.delete_side_rows(txn, id).await
     }
 
     async fn delete_side_rows(&self, txn: &DatabaseTransaction, id: i64) -> Result<(), StoreError> {
-        txn.execute(&Query::delete().from_table(ObjectLabels::Table).and_where(Expr::col(ObjectLabels::ObjectId).eq(id)).to_owned())
-            .await?;
-        txn.execute(&Query::delete().from_table(Results::Table).and_where(Expr::col(Results::ObjectId).eq(id)).to_owned()).await?;
+        txn.execute(
+            &Query::delete()
+                .from_table(ObjectLabels::Table)
+                .and_where(Expr::col(ObjectLabels::ObjectId).eq(id))
+                .to_owned(),
+        )
+        .await?;
+        txn.execute(
+            &Query::delete()
+                .from_table(Results::Table)
+                .and_where(Expr::col(Results::ObjectId).eq(id))
+                .to_owned(),
+        )
+        .await?;
         Ok(())
     }
 
@@ -327,7 +434,11 @@ impl Store {
     ) -> Result<(), StoreError> {
         if !cols.labels.is_empty() {
             let mut insert = Query::insert();
-            insert.into_table(ObjectLabels::Table).columns([ObjectLabels::ObjectId, ObjectLabels::Key, ObjectLabels::Value]);
+            insert.into_table(ObjectLabels::Table).columns([
+                ObjectLabels::ObjectId,
+                ObjectLabels::Key,
+                ObjectLabels::Value,
+            ]);
             for (k, v) in &cols.labels {
                 insert.values_panic([id.into(), k.clone().into(), v.clone().into()]);
             }
@@ -400,7 +511,12 @@ impl Store {
         rv: i64,
         now: i64,
     ) -> Result<(), StoreError> {
-        let labels_of = |o: &Value| o["metadata"].get("labels").cloned().unwrap_or(Value::Object(Default::default()));
+        let labels_of = |o: &Value| {
+            o["metadata"]
+                .get("labels")
+                .cloned()
+                .unwrap_or(Value::Object(Default::default()))
+        };
         let labels = labels_of(object);
         // Watches with a label selector need the old labels to turn "stopped matching" into
         // DELETED and "started matching" into ADDED, as kube-apiserver does.
@@ -450,7 +566,9 @@ fn unique_to_exists(e: sea_orm::DbErr) -> StoreError {
 }
 
 fn current_rv(object: &Value) -> Option<i64> {
-    object["metadata"]["resourceVersion"].as_str().and_then(|s| s.parse().ok())
+    object["metadata"]["resourceVersion"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
 }
 
 /// Drops change-log entries older than the retention window and beyond the count bound,
@@ -464,7 +582,10 @@ pub(super) async fn compact(store: &Store) -> Result<i64, StoreError> {
         .connection()
         .query_one(
             &Query::select()
-                .expr_as(Expr::col(Changes::Rv).max(), sea_orm::sea_query::Alias::new("m"))
+                .expr_as(
+                    Expr::col(Changes::Rv).max(),
+                    sea_orm::sea_query::Alias::new("m"),
+                )
                 .from(Changes::Table)
                 .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
                 .and_where(Expr::col(Changes::CreatedAt).lt(cutoff_time))

@@ -128,7 +128,11 @@ impl MigrationTrait for Migration {
                     .if_not_exists()
                     .col(key_string(StoreState::ClusterId, 64).primary_key())
                     .col(ColumnDef::new(StoreState::Rv).big_integer().not_null())
-                    .col(ColumnDef::new(StoreState::CompactedRv).big_integer().not_null())
+                    .col(
+                        ColumnDef::new(StoreState::CompactedRv)
+                            .big_integer()
+                            .not_null(),
+                    )
                     .to_owned(),
             )
             .await?;
@@ -138,24 +142,62 @@ impl MigrationTrait for Migration {
                 Table::create()
                     .table(Objects::Table)
                     .if_not_exists()
-                    .col(ColumnDef::new(Objects::Id).big_integer().not_null().auto_increment().primary_key())
+                    .col(
+                        ColumnDef::new(Objects::Id)
+                            .big_integer()
+                            .not_null()
+                            .auto_increment()
+                            .primary_key(),
+                    )
                     .col(key_string(Objects::ClusterId, 64))
                     .col(key_string(Objects::Resource, 100))
                     .col(key_string(Objects::Namespace, 63))
                     .col(key_string(Objects::Name, 253))
                     .col(key_string(Objects::Uid, 36))
-                    .col(ColumnDef::new(Objects::ResourceVersion).big_integer().not_null())
+                    .col(
+                        ColumnDef::new(Objects::ResourceVersion)
+                            .big_integer()
+                            .not_null(),
+                    )
                     .col(ColumnDef::new(Objects::Generation).big_integer().not_null())
                     .col(ColumnDef::new(Objects::CreatedAt).big_integer().not_null())
                     .col(ColumnDef::new(Objects::DeletedAt).big_integer().null())
-                    .col(ColumnDef::new(Objects::OwnerUids).string_len(1024).not_null())
-                    .col(ColumnDef::new(Objects::SummaryPass).big_integer().not_null())
-                    .col(ColumnDef::new(Objects::SummaryFail).big_integer().not_null())
-                    .col(ColumnDef::new(Objects::SummaryWarn).big_integer().not_null())
-                    .col(ColumnDef::new(Objects::SummaryError).big_integer().not_null())
-                    .col(ColumnDef::new(Objects::SummarySkip).big_integer().not_null())
+                    .col(
+                        ColumnDef::new(Objects::OwnerUids)
+                            .string_len(1024)
+                            .not_null(),
+                    )
+                    .col(
+                        ColumnDef::new(Objects::SummaryPass)
+                            .big_integer()
+                            .not_null(),
+                    )
+                    .col(
+                        ColumnDef::new(Objects::SummaryFail)
+                            .big_integer()
+                            .not_null(),
+                    )
+                    .col(
+                        ColumnDef::new(Objects::SummaryWarn)
+                            .big_integer()
+                            .not_null(),
+                    )
+                    .col(
+                        ColumnDef::new(Objects::SummaryError)
+                            .big_integer()
+                            .not_null(),
+                    )
+                    .col(
+                        ColumnDef::new(Objects::SummarySkip)
+                            .big_integer()
+                            .not_null(),
+                    )
                     .col(ColumnDef::new(Objects::ScopeKind).string_len(253).null())
-                    .col(ColumnDef::new(Objects::ScopeNamespace).string_len(63).null())
+                    .col(
+                        ColumnDef::new(Objects::ScopeNamespace)
+                            .string_len(63)
+                            .null(),
+                    )
                     .col(ColumnDef::new(Objects::ScopeName).string_len(253).null())
                     .col(ColumnDef::new(Objects::ScopeUid).string_len(64).null())
                     .col(document(backend, Objects::Metadata))
@@ -164,10 +206,21 @@ impl MigrationTrait for Migration {
             )
             .await?;
         for (name, cols) in [
-            ("objects_key", vec![Objects::ClusterId, Objects::Resource, Objects::Namespace, Objects::Name]),
+            (
+                "objects_key",
+                vec![
+                    Objects::ClusterId,
+                    Objects::Resource,
+                    Objects::Namespace,
+                    Objects::Name,
+                ],
+            ),
             ("objects_uid", vec![Objects::Uid]),
             ("objects_scope_uid", vec![Objects::ScopeUid]),
-            ("objects_rv", vec![Objects::ClusterId, Objects::ResourceVersion]),
+            (
+                "objects_rv",
+                vec![Objects::ClusterId, Objects::ResourceVersion],
+            ),
         ] {
             let mut index = Index::create();
             index.name(name).table(Objects::Table).if_not_exists();
@@ -185,10 +238,18 @@ impl MigrationTrait for Migration {
                 Table::create()
                     .table(ObjectLabels::Table)
                     .if_not_exists()
-                    .col(ColumnDef::new(ObjectLabels::ObjectId).big_integer().not_null())
+                    .col(
+                        ColumnDef::new(ObjectLabels::ObjectId)
+                            .big_integer()
+                            .not_null(),
+                    )
                     .col(key_string(ObjectLabels::Key, 317))
                     .col(key_string(ObjectLabels::Value, 63))
-                    .primary_key(Index::create().col(ObjectLabels::ObjectId).col(ObjectLabels::Key))
+                    .primary_key(
+                        Index::create()
+                            .col(ObjectLabels::ObjectId)
+                            .col(ObjectLabels::Key),
+                    )
                     .to_owned(),
             )
             .await?;
@@ -230,7 +291,13 @@ impl MigrationTrait for Migration {
                 Table::create()
                     .table(Results::Table)
                     .if_not_exists()
-                    .col(ColumnDef::new(Results::Id).big_integer().not_null().auto_increment().primary_key())
+                    .col(
+                        ColumnDef::new(Results::Id)
+                            .big_integer()
+                            .not_null()
+                            .auto_increment()
+                            .primary_key(),
+                    )
                     .col(ColumnDef::new(Results::ObjectId).big_integer().not_null())
                     .col(key_string(Results::ClusterId, 64))
                     .col(key_string(Results::Resource, 100))
@@ -243,9 +310,17 @@ impl MigrationTrait for Migration {
                     .col(ColumnDef::new(Results::Severity).string_len(16).null())
                     .col(ColumnDef::new(Results::Category).string_len(253).null())
                     .col(ColumnDef::new(Results::Scored).boolean().null())
-                    .col(ColumnDef::new(Results::SubjectApiVersion).string_len(253).null())
+                    .col(
+                        ColumnDef::new(Results::SubjectApiVersion)
+                            .string_len(253)
+                            .null(),
+                    )
                     .col(ColumnDef::new(Results::SubjectKind).string_len(253).null())
-                    .col(ColumnDef::new(Results::SubjectNamespace).string_len(63).null())
+                    .col(
+                        ColumnDef::new(Results::SubjectNamespace)
+                            .string_len(63)
+                            .null(),
+                    )
                     .col(ColumnDef::new(Results::SubjectName).string_len(253).null())
                     .col(ColumnDef::new(Results::SubjectUid).string_len(64).null())
                     .col(ColumnDef::new(Results::Timestamp).big_integer().null())
@@ -256,7 +331,15 @@ impl MigrationTrait for Migration {
             .await?;
         for (name, cols) in [
             ("results_object", vec![Results::ObjectId]),
-            ("results_policy", vec![Results::ClusterId, Results::Policy, Results::Result, Results::Severity]),
+            (
+                "results_policy",
+                vec![
+                    Results::ClusterId,
+                    Results::Policy,
+                    Results::Result,
+                    Results::Severity,
+                ],
+            ),
             ("results_subject", vec![Results::SubjectUid]),
         ] {
             let mut index = Index::create();
@@ -274,15 +357,23 @@ impl MigrationTrait for Migration {
             r.subject_namespace, r.subject_name, r.subject_uid, r.timestamp, r.message, r.properties \
             FROM results r";
         let create_view = match backend {
-            DbBackend::Postgres | DbBackend::MySql => view.replacen("CREATE VIEW", "CREATE OR REPLACE VIEW", 1),
+            DbBackend::Postgres | DbBackend::MySql => {
+                view.replacen("CREATE VIEW", "CREATE OR REPLACE VIEW", 1)
+            }
             _ => view.replacen("CREATE VIEW", "CREATE VIEW IF NOT EXISTS", 1),
         };
-        manager.get_connection().execute_unprepared(&create_view).await?;
+        manager
+            .get_connection()
+            .execute_unprepared(&create_view)
+            .await?;
         Ok(())
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager.get_connection().execute_unprepared("DROP VIEW IF EXISTS report_results").await?;
+        manager
+            .get_connection()
+            .execute_unprepared("DROP VIEW IF EXISTS report_results")
+            .await?;
         for table in [
             Results::Table.into_iden(),
             Changes::Table.into_iden(),
@@ -290,7 +381,9 @@ impl MigrationTrait for Migration {
             Objects::Table.into_iden(),
             StoreState::Table.into_iden(),
         ] {
-            manager.drop_table(Table::drop().table(table).if_exists().to_owned()).await?;
+            manager
+                .drop_table(Table::drop().table(table).if_exists().to_owned())
+                .await?;
         }
         Ok(())
     }

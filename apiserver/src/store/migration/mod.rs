@@ -8,12 +8,16 @@
 use sea_orm_migration::prelude::*;
 
 pub(crate) mod m20261121_000001_initial;
+pub(crate) mod m20261122_000002_aggregator_lease;
 
 pub struct Migrator;
 
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(m20261121_000001_initial::Migration)]
+        vec![
+            Box::new(m20261121_000001_initial::Migration),
+            Box::new(m20261122_000002_aggregator_lease::Migration),
+        ]
     }
 }
