@@ -58,6 +58,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         store: StoreOptions::new(url.clone()),
         api: ApiOptions::default(),
         kubeconfig: dir.path().join("kubeconfig"),
+        auth: Default::default(),
+        serving: None,
+        serving_names: Vec::new(),
     })
     .await?;
     let client = client_for(&server.kubeconfig).await?;

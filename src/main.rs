@@ -2,6 +2,7 @@
 //!
 //! This binary only parses flags and wires the crates together.
 
+mod apiservices;
 mod bench;
 
 use std::net::{IpAddr, SocketAddr};
@@ -11,7 +12,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use reports_server_apiserver::http::ApiOptions;
-use reports_server_apiserver::standalone::{self, StandaloneConfig};
+use reports_server_apiserver::pki::CertPair;
+use reports_server_apiserver::standalone::{self, AuthMode, StandaloneConfig};
 use reports_server_apiserver::store::{Store, StoreOptions};
 
 #[derive(Parser)]
@@ -43,6 +45,18 @@ enum Command {
     Migrate(DatabaseArgs),
     /// Measure create and list throughput against a fresh standalone server.
     Bench(bench::BenchArgs),
+    /// Print the ExternalName Service and the three APIServices that route a cluster's report
+    /// APIs to a server running outside the cluster (pipe into `kubectl apply -f -`).
+    Apiservices(apiservices::ApiservicesArgs),
+}
+
+/// How `serve` authenticates and authorizes callers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum AuthModeArg {
+    /// Own CA, admin client certificate and kubeconfig; no cluster.
+    Standalone,
+    /// Behind kube-apiserver: front-proxy certificates, TokenReview, SubjectAccessReview.
+    Delegated,
 }
 
 #[derive(Args, Clone)]
@@ -99,6 +113,39 @@ struct ServeArgs {
         default_value_t = 100_000
     )]
     watch_history_max_events: i64,
+    /// Authentication and authorization: standalone or delegated to the cluster.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_AUTH_MODE",
+        value_enum,
+        default_value = "standalone"
+    )]
+    auth_mode: AuthModeArg,
+    /// Kubeconfig for delegated mode [default: in-cluster configuration, then $KUBECONFIG].
+    #[arg(long, env = "REPORTS_SERVER_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Serving certificate (PEM) [default: generated in --data-dir, signed by the data-dir CA].
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_TLS_CERT_FILE",
+        requires = "tls_private_key_file"
+    )]
+    tls_cert_file: Option<PathBuf>,
+    /// Key of --tls-cert-file (PEM).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_TLS_PRIVATE_KEY_FILE",
+        requires = "tls_cert_file"
+    )]
+    tls_private_key_file: Option<PathBuf>,
+    /// Extra names for the generated serving certificate, comma-separated.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_SERVING_CERT_NAMES",
+        value_delimiter = ',',
+        default_value = "reports-server.reports-server.svc"
+    )]
+    serving_cert_names: Vec<String>,
     /// Seconds between change-log compactions.
     #[arg(
         long,
@@ -175,6 +222,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Serve(args) => serve(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::Apiservices(args) => apiservices::run(args),
     }
 }
 
@@ -188,6 +236,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .write_kubeconfig
         .clone()
         .unwrap_or_else(|| data_dir.join("kubeconfig"));
+    let auth = match args.auth_mode {
+        AuthModeArg::Standalone => AuthMode::Standalone,
+        AuthModeArg::Delegated => {
+            AuthMode::Delegated(cluster_client(args.kubeconfig.as_deref()).await?)
+        }
+    };
+    let serving = match (&args.tls_cert_file, &args.tls_private_key_file) {
+        (Some(cert), Some(key)) => Some(CertPair {
+            cert_pem: std::fs::read_to_string(cert)
+                .with_context(|| format!("cannot read --tls-cert-file {}", cert.display()))?,
+            key_pem: std::fs::read_to_string(key)
+                .with_context(|| format!("cannot read --tls-private-key-file {}", key.display()))?,
+        }),
+        _ => None,
+    };
+    let delegated = matches!(auth, AuthMode::Delegated(_));
     let config = StandaloneConfig {
         data_dir,
         bind: SocketAddr::new(args.bind_address, args.secure_port),
@@ -197,16 +261,29 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             bookmark_interval: Duration::from_secs(args.bookmark_interval_seconds.max(1)),
         },
         kubeconfig,
+        auth,
+        serving,
+        serving_names: args.serving_cert_names.clone(),
     };
     let server = standalone::start(config)
         .await
         .context("cannot start the server")?;
     tracing::info!(address = %server.addr, backend = ?server.store.backend(), "serving");
     println!("reports-server is serving on {}", server.url());
-    println!(
-        "  kubectl --kubeconfig {} get policyreports -A",
-        server.kubeconfig.display()
-    );
+    if delegated {
+        println!(
+            "  authentication and authorization are delegated to the cluster; route the APIs here with"
+        );
+        println!(
+            "  reports-server apiservices --port {} --ca-bundle-file <CA of the serving certificate> | kubectl apply -f -",
+            server.addr.port()
+        );
+    } else {
+        println!(
+            "  kubectl --kubeconfig {} get policyreports -A",
+            server.kubeconfig.display()
+        );
+    }
     let token = server.shutdown_token();
     tokio::spawn(async move {
         shutdown_signal().await;
@@ -215,6 +292,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     server.wait().await;
     Ok(())
+}
+
+/// A client for the cluster: `--kubeconfig`, else in-cluster, else `$KUBECONFIG`/`~/.kube/config`.
+async fn cluster_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("cannot read --kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("delegated mode needs cluster access: run in a pod, or pass --kubeconfig")?,
+    };
+    Ok(kube::Client::try_from(config)?)
 }
 
 async fn shutdown_signal() {

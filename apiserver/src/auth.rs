@@ -12,6 +12,7 @@ pub struct UserInfo {
     pub name: String,
     pub groups: Vec<String>,
     pub uid: Option<String>,
+    pub extra: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 /// The verified client certificate chain of a TLS connection (leaf first), if any.
@@ -53,6 +54,7 @@ pub fn subject_of(der: &CertificateDer<'_>) -> Option<UserInfo> {
         name,
         groups,
         uid: None,
+        extra: Default::default(),
     })
 }
 

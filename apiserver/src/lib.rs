@@ -5,8 +5,10 @@
 //! * `http`: the axum router that speaks the Kubernetes API for the report kinds.
 //! * `tls`, `server`: certificates and the HTTPS accept loop.
 
+pub mod aggregation;
 pub mod auth;
 pub mod continuation;
+pub mod delegated;
 pub mod http;
 pub mod metrics;
 pub mod pki;

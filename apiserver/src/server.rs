@@ -25,12 +25,21 @@ pub enum ServeError {
     Bind(SocketAddr, std::io::Error),
 }
 
+/// How the TLS layer treats client certificates.
+pub enum ClientAuth {
+    /// Verify presented certificates against these CA PEMs (standalone mode).
+    Roots(Vec<String>),
+    /// A verifier that follows CA rotation (delegated mode).
+    Verifier(Arc<dyn rustls::server::danger::ClientCertVerifier>),
+}
+
 /// Builds the rustls configuration: our serving certificate, and client certificates verified
-/// against `client_ca_pems` when presented (never required, so probes and token clients work).
+/// when presented (never required, so probes and token clients work). ALPN offers h2 and
+/// HTTP/1.1.
 pub fn tls_config(
     cert_pem: &str,
     key_pem: &str,
-    client_ca_pems: &[String],
+    client_auth: ClientAuth,
 ) -> Result<rustls::ServerConfig, ServeError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
@@ -38,26 +47,26 @@ pub fn tls_config(
         .map_err(|e| ServeError::Tls(format!("serving certificate: {e}")))?;
     let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
         .map_err(|e| ServeError::Tls(format!("serving key: {e}")))?;
-    let mut roots = RootCertStore::empty();
-    for pem in client_ca_pems {
-        for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
-            let cert = cert.map_err(|e| ServeError::Tls(format!("client CA: {e}")))?;
-            roots
-                .add(cert)
-                .map_err(|e| ServeError::Tls(format!("client CA: {e}")))?;
+    let verifier: Arc<dyn rustls::server::danger::ClientCertVerifier> = match client_auth {
+        ClientAuth::Verifier(v) => v,
+        ClientAuth::Roots(pems) => {
+            let mut roots = RootCertStore::empty();
+            for pem in &pems {
+                for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+                    let cert = cert.map_err(|e| ServeError::Tls(format!("client CA: {e}")))?;
+                    roots
+                        .add(cert)
+                        .map_err(|e| ServeError::Tls(format!("client CA: {e}")))?;
+                }
+            }
+            WebPkiClientVerifier::builder(Arc::new(roots))
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| ServeError::Tls(format!("client verifier: {e}")))?
         }
-    }
-    let builder = rustls::ServerConfig::builder();
-    let builder = if roots.is_empty() {
-        builder.with_no_client_auth()
-    } else {
-        let verifier = WebPkiClientVerifier::builder(Arc::new(roots))
-            .allow_unauthenticated()
-            .build()
-            .map_err(|e| ServeError::Tls(format!("client verifier: {e}")))?;
-        builder.with_client_cert_verifier(verifier)
     };
-    let mut config = builder
+    let mut config = rustls::ServerConfig::builder()
+        .with_client_cert_verifier(verifier)
         .with_single_cert(certs, key)
         .map_err(|e| ServeError::Tls(e.to_string()))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];

@@ -1,5 +1,7 @@
-//! Standalone mode: the server with its own PKI and an embedded or given database, no cluster.
-//! Used by `reports-server serve`, the benchmarks and the tests.
+//! Starting the server. Two modes share everything but authentication:
+//! * standalone: its own CA, an admin client certificate and a kubeconfig, no cluster;
+//! * delegated: behind kube-apiserver, authenticating and authorizing through the cluster
+//!   (`crate::delegated`), with a serving certificate for `<service>.<namespace>.svc`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -8,10 +10,13 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::{AllowAuthenticated, ClientCertAuthenticator};
+use crate::delegated::{DelegatedAuthenticator, NamespaceLifecycle, SarAuthorizer};
 use crate::http::{ApiOptions, AppState, router};
 use crate::metrics::Metrics;
+use crate::pki::CertPair;
 use crate::pki::StandalonePki;
 use crate::server;
+use crate::server::ClientAuth;
 use crate::store::{Store, StoreOptions};
 
 #[derive(Debug, thiserror::Error)]
@@ -22,16 +27,33 @@ pub enum StartError {
     Store(#[from] crate::store::StoreError),
     #[error(transparent)]
     Serve(#[from] server::ServeError),
+    #[error(transparent)]
+    Delegation(#[from] crate::delegated::DelegationError),
 }
 
-#[derive(Clone, Debug)]
+/// How callers are authenticated and authorized.
+#[derive(Clone, Default)]
+pub enum AuthMode {
+    /// Our own CA; every holder of a certificate it issued may do everything.
+    #[default]
+    Standalone,
+    /// Delegated to the cluster this client talks to.
+    Delegated(kube::Client),
+}
+
+#[derive(Clone)]
 pub struct StandaloneConfig {
     pub data_dir: PathBuf,
     pub bind: SocketAddr,
     pub store: StoreOptions,
     pub api: ApiOptions,
-    /// Where to write the admin kubeconfig.
+    /// Where to write the admin kubeconfig (standalone mode only).
     pub kubeconfig: PathBuf,
+    pub auth: AuthMode,
+    /// A serving certificate and key (PEM) to use instead of generating one.
+    pub serving: Option<CertPair>,
+    /// Extra names the generated serving certificate covers (e.g. `<service>.<namespace>.svc`).
+    pub serving_names: Vec<String>,
 }
 
 /// A running server.
@@ -70,26 +92,49 @@ impl RunningServer {
     }
 }
 
-/// Starts the server: PKI, database (migrated), listener, kubeconfig.
+/// Starts the server: PKI, database (migrated), listener, and in standalone mode the kubeconfig.
 pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError> {
-    let extra_names = vec![config.bind.ip().to_string()];
+    let mut extra_names = vec![config.bind.ip().to_string()];
+    extra_names.extend(config.serving_names.iter().cloned());
     let pki = StandalonePki::load_or_create(&config.data_dir, &extra_names)?;
+    let serving = config
+        .serving
+        .clone()
+        .unwrap_or_else(|| pki.serving.clone());
     let store = Store::connect(config.store.clone()).await?;
     let listener = server::bind(config.bind).await?;
     let addr = listener
         .local_addr()
         .map_err(|e| server::ServeError::Bind(config.bind, e))?;
-    let tls = server::tls_config(
-        &pki.serving.cert_pem,
-        &pki.serving.key_pem,
-        std::slice::from_ref(&pki.ca.cert_pem),
-    )?;
-    let state = AppState {
-        store: store.clone(),
-        authenticator: Arc::new(ClientCertAuthenticator),
-        authorizer: Arc::new(AllowAuthenticated),
-        metrics: Metrics::new(),
-        options: config.api.clone(),
+    let metrics = Metrics::new();
+    let (state, tls) = match &config.auth {
+        AuthMode::Standalone => {
+            let client_auth = ClientAuth::Roots(vec![pki.ca.cert_pem.clone()]);
+            let tls = server::tls_config(&serving.cert_pem, &serving.key_pem, client_auth)?;
+            let state = AppState {
+                store: store.clone(),
+                authenticator: Arc::new(ClientCertAuthenticator),
+                authorizer: Arc::new(AllowAuthenticated),
+                admission: None,
+                metrics,
+                options: config.api.clone(),
+            };
+            (state, tls)
+        }
+        AuthMode::Delegated(client) => {
+            let (authenticator, verifier) = DelegatedAuthenticator::start(client.clone()).await?;
+            let client_auth = ClientAuth::Verifier(Arc::new(verifier));
+            let tls = server::tls_config(&serving.cert_pem, &serving.key_pem, client_auth)?;
+            let state = AppState {
+                store: store.clone(),
+                authenticator,
+                authorizer: Arc::new(SarAuthorizer::new(client.clone())),
+                admission: Some(NamespaceLifecycle::start(client.clone()).await),
+                metrics,
+                options: config.api.clone(),
+            };
+            (state, tls)
+        }
     };
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(server::serve(
@@ -106,8 +151,10 @@ pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError
         shutdown,
         task,
     };
-    running
-        .pki
-        .write_kubeconfig(&config.kubeconfig, &running.url())?;
+    if matches!(config.auth, AuthMode::Standalone) {
+        running
+            .pki
+            .write_kubeconfig(&config.kubeconfig, &running.url())?;
+    }
     Ok(running)
 }

@@ -164,6 +164,18 @@ impl CertPair {
     }
 }
 
+/// How a kubeconfig from [`ControlPlane::kubeconfig_for_server`] authenticates.
+#[derive(Debug, Clone, Copy)]
+pub enum KubeconfigAuth<'a> {
+    /// No client certificate, no token.
+    Anonymous,
+    /// `Authorization: Bearer <token>`.
+    Token(&'a str),
+    /// A client certificate (from [`ControlPlane::issue_client_cert`] or
+    /// [`ControlPlane::issue_front_proxy_cert`]).
+    ClientCert(&'a CertPair),
+}
+
 /// An APIService served by a process on this machine (see
 /// [`ControlPlane::register_external_apiservice`]).
 #[derive(Debug, Clone)]
@@ -608,6 +620,61 @@ impl ControlPlane {
             .await
     }
 
+    /// A client certificate (CN=`name`) signed by the **front-proxy** CA, i.e. one that chains to
+    /// `--requestheader-client-ca-file`. With a CN outside
+    /// [`ControlPlane::front_proxy_allowed_names`] an extension server must not trust the
+    /// `X-Remote-*` headers that come with it.
+    pub async fn issue_front_proxy_cert(&self, name: &str) -> Result<CertPair> {
+        if name.is_empty() {
+            bail!("a certificate name must not be empty");
+        }
+        let stem = unique_stem(&format!("front-proxy-{}", file_stem(name)));
+        let subject = format!("/CN={}", escape_subject(name));
+        self.pki
+            .cas
+            .leaf(
+                &self.users_dir(),
+                &stem,
+                &subject,
+                "clientAuth",
+                &[],
+                CaKind::FrontProxy,
+            )
+            .await
+    }
+
+    /// Writes a kubeconfig for an arbitrary `server` URL (for example an extension server's own
+    /// port, to talk to it without the aggregator) that trusts the cluster CA and authenticates
+    /// with `auth`, and returns its path (under the control plane's directory, unique per call).
+    pub fn kubeconfig_for_server(
+        &self,
+        name: &str,
+        server: &str,
+        auth: KubeconfigAuth<'_>,
+    ) -> Result<PathBuf> {
+        let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s.as_bytes());
+        let q = |s: &str| serde_json::to_string(s).expect("string serializes");
+        let user = match auth {
+            KubeconfigAuth::Anonymous => "{}".to_string(),
+            KubeconfigAuth::Token(token) => format!("{{token: {}}}", q(token)),
+            KubeconfigAuth::ClientCert(cert) => format!(
+                "{{client-certificate-data: {}, client-key-data: {}}}",
+                q(&b64(&cert.cert_pem)),
+                q(&b64(&cert.key_pem))
+            ),
+        };
+        let yaml = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca}\nusers:\n- name: u\n  user: {user}\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\n    namespace: default\ncurrent-context: c\npreferences: {{}}\n",
+            server = q(server),
+            ca = b64(&self.pki.cas.cluster.cert_pem),
+        );
+        let path = self
+            .users_dir()
+            .join(format!("{}.kubeconfig", unique_stem(&file_stem(name))));
+        fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
+        Ok(path)
+    }
+
     /// Makes kube-apiserver's aggregator route `/apis/<group>/<version>` to a server listening on
     /// this machine: applies (server-side) the Service's namespace, an `ExternalName` Service
     /// pointing at `svc.external_name` (default `localhost`) and the APIService
@@ -906,6 +973,23 @@ fn signal_group(child: &Child, signal: libc::c_int) {
 
 fn keep_requested() -> bool {
     std::env::var(KEEP_ENV).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+}
+
+/// Spawns a helper process (for example the server under test) the way the control plane's own
+/// processes are spawned: with `PR_SET_PDEATHSIG=SIGKILL`, from a thread that lives as long as
+/// the test process, so the child dies with the test process even if that is killed before any
+/// `Drop` runs. Unlike the control plane's processes it stays in the caller's process group.
+pub fn spawn_tied_to_test(mut cmd: Command) -> io::Result<Child> {
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    spawn_from_reaper_thread(cmd)
 }
 
 /// All control-plane processes are forked from one thread that lives as long as the test

@@ -55,6 +55,8 @@ pub struct AppState {
     pub store: Store,
     pub authenticator: Arc<dyn Authenticator>,
     pub authorizer: Arc<dyn Authorizer>,
+    /// Admission checks on creates (NamespaceLifecycle when behind kube-apiserver).
+    pub admission: Option<Arc<dyn crate::delegated::Admission>>,
     pub metrics: Arc<Metrics>,
     pub options: ApiOptions,
 }

@@ -346,6 +346,9 @@ pub async fn create(
     let object = decode_body(content_type(headers), &body)?;
     let (object, name, warnings) =
         prepare_create(path, object, &validation(params, headers, &body))?;
+    if let (Some(admission), Some(namespace)) = (&state.admission, &path.namespace) {
+        admission.admit_create(namespace).await?;
+    }
     let outcome = state
         .store
         .mutate(

@@ -15,6 +15,7 @@
 
 pub mod columns;
 pub mod feed;
+pub mod lease;
 pub mod migration;
 mod read;
 mod write;

@@ -1,0 +1,897 @@
+//! In-process aggregation: Kyverno's ephemeral-to-policy-report merge, next to the data.
+//!
+//! With Kyverno running `--aggregateReports=false`, `reports-server serve` merges the
+//! ephemeral reports itself (the merge rules are the aggregator crate's, see
+//! `docs/aggregation.md`). Doing it here instead of through the Kubernetes API buys what the
+//! API cannot give:
+//!
+//! * **Atomicity.** [`StoreBackend::apply`] writes a whole plan — policy reports created,
+//!   updated and deleted, consumed ephemeral reports deleted — in *one* store transaction
+//!   ([`Store::mutate_batch`]). Every precondition (the resourceVersion each object had when it
+//!   was read, the `managed-by: kyverno` label) is checked inside that transaction, and any
+//!   failure rolls all of it back. A crash therefore never loses a result (ephemerals are only
+//!   gone if the merged report is committed) and never counts one twice (the merged report and
+//!   the deletion of its inputs commit together; re-merging an already stored result is a
+//!   no-op because identity, not arrival, decides).
+//! * **Bounded memory.** [`StoreBackend::load_page`] cuts a namespace into pages of subjects
+//!   (resource UIDs) with keyset paging in SQL, as the paging contract of
+//!   `reports_server_aggregator::backend` requires. [`Store::list`] cannot do this: it pages by
+//!   object name, but ephemeral reports written by the admission webhook have random names and
+//!   are tied to their subject only by a label (or ownerReference), and per-resource reports by
+//!   `scope.uid`. So the page queries here select the next subject UIDs from the indexed
+//!   `scope_uid`, `object_labels` and `owner_uids` columns and then load the bodies of exactly
+//!   those subjects. Nothing namespace-wide is held in memory.
+//! * **One active aggregator per database.** Replicas share the database, so the singleton is
+//!   a lease row in it ([`crate::store::lease`]); only the holder runs workers, a standby takes
+//!   over when the holder stops renewing (about 15–20 s after a crash, one retry interval after
+//!   a clean shutdown, which releases the lease). Two aggregators running at once (e.g. a
+//!   holder cut off from the database that has not noticed yet) would still be safe: every
+//!   apply is checked against resourceVersions, so the loser of a race gets a conflict and
+//!   re-merges.
+//!
+//! Events: any change to an `EphemeralReport` or `ClusterEphemeralReport` (from the store's change
+//! feed, which also carries other replicas' writes) enqueues its namespace (`""` for cluster
+//! scope) with the configured delay. Deletions are ignored: removing an ephemeral report does
+//! not change what the merge writes (stored results stay until superseded), and ignoring them
+//! keeps our own deletions from scheduling a useless second pass. When the lease is acquired,
+//! and whenever the feed reports that this subscriber lagged behind, every namespace that has
+//! ephemeral reports is enqueued, so no event is ever lost for good.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use reports_server_aggregator::report::{LABEL_MANAGED_BY, LABEL_RESOURCE_UID, MANAGED_BY_VALUE};
+use reports_server_aggregator::{
+    AggregationBackend, Aggregator, AggregatorConfig, BackendError, CancellationToken, Ephemeral,
+    FinalReport, InputPage, Metrics, ObjectKey, PageRequest, Plan, PolicySet, ReportKind,
+};
+use reports_server_crds::{ResourceDescriptor, catalog};
+use sea_orm::sea_query::{Expr, ExprTrait, Query};
+use sea_orm::{
+    AccessMode, ConnectionTrait, DbBackend, IsolationLevel, Statement, TransactionTrait,
+};
+use serde_json::Value;
+use tokio::sync::{broadcast, watch};
+use tokio::time::Instant;
+
+use crate::http::objects::{
+    DeletePreconditions, FieldValidation, Validation, decide_delete, decide_update, prepare_create,
+};
+use crate::http::request::ResourcePath;
+use crate::http::status::ApiError;
+use crate::store::lease::LeaseRecord;
+use crate::store::migration::m20261121_000001_initial::Objects;
+use crate::store::write_target::Target;
+use crate::store::{Change, EventType, Mutation, Store, StoreError, parse_document};
+
+/// Why reading or applying failed. Converted to the aggregator's [`BackendError`], whose
+/// variant decides nothing but the log line: every failure is retried with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum AggregationError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A precondition failed: an object changed, appeared or disappeared since it was read.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The plan would modify a report that is not managed by Kyverno.
+    #[error(
+        "{kind} {namespace}/{name} is not labelled {LABEL_MANAGED_BY}={MANAGED_BY_VALUE}; not touching it"
+    )]
+    Unmanaged {
+        kind: ReportKind,
+        namespace: String,
+        name: String,
+    },
+    /// A stored or planned object does not satisfy the schema or the API rules.
+    #[error("invalid {kind} {namespace}/{name}: {message}")]
+    Invalid {
+        kind: ReportKind,
+        namespace: String,
+        name: String,
+        message: String,
+    },
+    /// A stored body could not be decoded as the kind its row says.
+    #[error("stored object {what} cannot be decoded: {source}")]
+    Decode {
+        what: String,
+        #[source]
+        source: reports_server_aggregator::Error,
+    },
+}
+
+impl From<AggregationError> for BackendError {
+    fn from(e: AggregationError) -> Self {
+        match e {
+            AggregationError::Store(StoreError::Unavailable(m)) => BackendError::Unavailable(m),
+            AggregationError::Store(StoreError::AlreadyExists) => {
+                BackendError::Conflict("a report to create already exists".into())
+            }
+            AggregationError::Conflict(m) => BackendError::Conflict(m),
+            e @ AggregationError::Unmanaged { .. } => BackendError::Conflict(e.to_string()),
+            other => BackendError::Other(Box::new(other)),
+        }
+    }
+}
+
+/// The served resource behind a report kind.
+fn descriptor(kind: ReportKind) -> &'static ResourceDescriptor {
+    match kind {
+        ReportKind::PolicyReport => &catalog::POLICY_REPORT,
+        ReportKind::ClusterPolicyReport => &catalog::CLUSTER_POLICY_REPORT,
+        ReportKind::Report => &catalog::REPORT,
+        ReportKind::ClusterReport => &catalog::CLUSTER_REPORT,
+        ReportKind::EphemeralReport => &catalog::EPHEMERAL_REPORT,
+        ReportKind::ClusterEphemeralReport => &catalog::CLUSTER_EPHEMERAL_REPORT,
+    }
+}
+
+/// The ephemeral kind feeding `namespace` (`""` = cluster scope).
+fn ephemeral_kind(namespace: &str) -> ReportKind {
+    if namespace.is_empty() {
+        ReportKind::ClusterEphemeralReport
+    } else {
+        ReportKind::EphemeralReport
+    }
+}
+
+fn is_managed(object: &Value) -> bool {
+    object["metadata"]["labels"][LABEL_MANAGED_BY].as_str() == Some(MANAGED_BY_VALUE)
+}
+
+/// Whether a change-log `resource` (`<plural>.<group>`) is an aggregation input.
+fn is_ephemeral_resource(resource: &str) -> bool {
+    resource == Store::resource_key(&catalog::EPHEMERAL_REPORT)
+        || resource == Store::resource_key(&catalog::CLUSTER_EPHEMERAL_REPORT)
+}
+
+/// A raw SQL statement with backend-specific placeholders, so that the page queries can be
+/// written as readable SQL (a `UNION` under an `ORDER BY`, a per-backend string function).
+struct Sql {
+    backend: DbBackend,
+    text: String,
+    values: Vec<sea_orm::Value>,
+}
+
+impl Sql {
+    fn new(backend: DbBackend) -> Self {
+        Sql {
+            backend,
+            text: String::new(),
+            values: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, sql: &str) -> &mut Self {
+        self.text.push_str(sql);
+        self
+    }
+
+    fn bind(&mut self, value: impl Into<sea_orm::Value>) -> &mut Self {
+        self.values.push(value.into());
+        if self.backend == DbBackend::Postgres {
+            let n = self.values.len();
+            self.text.push_str(&format!("${n}"));
+        } else {
+            self.text.push('?');
+        }
+        self
+    }
+
+    /// `(v1, v2, …)`; callers never pass an empty list.
+    fn bind_list<'a>(&mut self, values: impl IntoIterator<Item = &'a String>) -> &mut Self {
+        self.push("(");
+        for (i, v) in values.into_iter().enumerate() {
+            if i > 0 {
+                self.push(", ");
+            }
+            self.bind(v.as_str());
+        }
+        self.push(")")
+    }
+
+    fn build(self) -> Statement {
+        Statement::from_sql_and_values(self.backend, self.text, self.values)
+    }
+}
+
+/// SQL for the subject UID of an ephemeral report row `o` left-joined with its
+/// `audit.kyverno.io/resource.uid` label row `l`: the label, else the first ownerReference UID
+/// (`owner_uids` is the comma-joined list), exactly as `Ephemeral::subject_uid` decides.
+fn ephemeral_subject_sql(backend: DbBackend) -> String {
+    let first_owner = match backend {
+        DbBackend::Postgres => "split_part(o.owner_uids, ',', 1)",
+        DbBackend::MySql => "SUBSTRING_INDEX(o.owner_uids, ',', 1)",
+        _ => {
+            "CASE WHEN instr(o.owner_uids, ',') > 0 \
+             THEN substr(o.owner_uids, 1, instr(o.owner_uids, ',') - 1) ELSE o.owner_uids END"
+        }
+    };
+    format!("COALESCE(NULLIF(l.value, ''), NULLIF({first_owner}, ''))")
+}
+
+/// [`AggregationBackend`] over the SQL [`Store`].
+///
+/// `load_page` follows the paging contract of `reports_server_aggregator::backend`: subjects
+/// in UID order (the database's order for the column, used consistently for both the cut and
+/// the comparison, so the keyset never skips or repeats a subject), each page carrying every
+/// input of its subjects; final reports without `scope.uid` on the first page only. `apply`
+/// is one transaction.
+pub struct StoreBackend {
+    store: Store,
+    policies: RwLock<Option<PolicySet>>,
+}
+
+impl StoreBackend {
+    /// A backend with an unknown policy set (no result is dropped for a missing policy).
+    pub fn new(store: Store) -> Self {
+        StoreBackend {
+            store,
+            policies: RwLock::new(None),
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Sets the live policy set used by the next merges (`None`: unknown). The in-process
+    /// server has no cluster API to watch Kyverno policies; whoever does (a controller, a
+    /// test) passes them in here and should enqueue the namespaces afterwards.
+    pub fn set_policies(&self, policies: Option<PolicySet>) {
+        *self.policies.write().unwrap_or_else(|e| e.into_inner()) = policies;
+    }
+
+    /// Namespaces (`""` = cluster scope) that currently hold ephemeral reports.
+    pub async fn namespaces_with_ephemerals(&self) -> Result<Vec<String>, StoreError> {
+        let rows = self
+            .store
+            .connection()
+            .query_all(
+                &Query::select()
+                    .distinct()
+                    .column(Objects::Namespace)
+                    .from(Objects::Table)
+                    .and_where(Expr::col(Objects::ClusterId).eq(self.store.cluster_id()))
+                    .and_where(Expr::col(Objects::Resource).is_in([
+                        Store::resource_key(&catalog::EPHEMERAL_REPORT),
+                        Store::resource_key(&catalog::CLUSTER_EPHEMERAL_REPORT),
+                    ]))
+                    .to_owned(),
+            )
+            .await?;
+        rows.iter()
+            .map(|r| Ok(r.try_get::<String>("", "namespace")?))
+            .collect()
+    }
+
+    async fn page(&self, request: PageRequest<'_>) -> Result<InputPage, AggregationError> {
+        let store = &self.store;
+        let backend = store.backend();
+        let cluster = store.cluster_id();
+        let ns = request.namespace;
+        let final_key = Store::resource_key(descriptor(request.report_kind));
+        let eph_kind = ephemeral_kind(ns);
+        let eph_key = Store::resource_key(descriptor(eph_kind));
+        let first_page = request.continue_token.is_none();
+        let after = request.continue_token.unwrap_or("");
+        let limit = request.limit.max(1);
+        let subject = ephemeral_subject_sql(backend);
+
+        // One read snapshot for the whole page, as `Store::list` does.
+        let txn = match backend {
+            DbBackend::Postgres | DbBackend::MySql => {
+                store
+                    .connection()
+                    .begin_with_config(
+                        Some(IsolationLevel::RepeatableRead),
+                        Some(AccessMode::ReadOnly),
+                    )
+                    .await
+            }
+            _ => store.connection().begin().await,
+        }
+        .map_err(StoreError::from)?;
+
+        // The next `limit` subjects after the token (one more to know whether a page follows):
+        // subjects of ephemeral reports and of managed reports with a `scope.uid`. `> ''` also
+        // drops rows without a subject.
+        let mut q = Sql::new(backend);
+        q.push(&format!(
+            "SELECT s.subject FROM (SELECT {subject} AS subject FROM objects o "
+        ))
+        .push("LEFT JOIN object_labels l ON l.object_id = o.id AND l.key = ")
+        .bind(LABEL_RESOURCE_UID)
+        .push(" WHERE o.cluster_id = ")
+        .bind(cluster)
+        .push(" AND o.resource = ")
+        .bind(eph_key.as_str())
+        .push(" AND o.namespace = ")
+        .bind(ns)
+        .push(" UNION SELECT o.scope_uid AS subject FROM objects o WHERE o.cluster_id = ")
+        .bind(cluster)
+        .push(" AND o.resource = ")
+        .bind(final_key.as_str())
+        .push(" AND o.namespace = ")
+        .bind(ns)
+        .push(" AND EXISTS (SELECT 1 FROM object_labels m WHERE m.object_id = o.id AND m.key = ")
+        .bind(LABEL_MANAGED_BY)
+        .push(" AND m.value = ")
+        .bind(MANAGED_BY_VALUE)
+        .push(")) s WHERE s.subject > ")
+        .bind(after)
+        .push(&format!(" ORDER BY s.subject LIMIT {}", limit + 1));
+        let mut subjects: Vec<String> = txn
+            .query_all_raw(q.build())
+            .await
+            .map_err(StoreError::from)?
+            .iter()
+            .map(|r| r.try_get::<String>("", "subject"))
+            .collect::<Result<_, _>>()
+            .map_err(StoreError::from)?;
+        let next = if subjects.len() > limit {
+            subjects.truncate(limit);
+            subjects.last().cloned()
+        } else {
+            None
+        };
+
+        let mut page = InputPage {
+            next,
+            ..InputPage::default()
+        };
+        let wanted: BTreeSet<&str> = subjects.iter().map(String::as_str).collect();
+
+        if !subjects.is_empty() || first_page {
+            // Final reports: those scoped to a subject of the page, unmanaged ones named like
+            // one (name collisions), and on the first page every report without a scope
+            // (per-policy reports span subjects and are merged namespace-wide).
+            let mut q = Sql::new(backend);
+            q.push("SELECT o.body FROM objects o WHERE o.cluster_id = ")
+                .bind(cluster)
+                .push(" AND o.resource = ")
+                .bind(final_key.as_str())
+                .push(" AND o.namespace = ")
+                .bind(ns)
+                .push(" AND (");
+            let mut any = false;
+            if !subjects.is_empty() {
+                q.push("o.scope_uid IN ")
+                    .bind_list(&subjects)
+                    .push(" OR o.name IN ")
+                    .bind_list(&subjects);
+                any = true;
+            }
+            if first_page {
+                if any {
+                    q.push(" OR ");
+                }
+                q.push("o.scope_uid IS NULL OR o.scope_uid = ''");
+            }
+            q.push(") ORDER BY o.name");
+            for row in txn
+                .query_all_raw(q.build())
+                .await
+                .map_err(StoreError::from)?
+            {
+                let body: String = row.try_get("", "body").map_err(StoreError::from)?;
+                let value = parse_document(&format!("{ns}/{final_key}"), &body)?;
+                let report =
+                    FinalReport::from_value(value).map_err(|source| AggregationError::Decode {
+                        what: format!("{} {ns}", request.report_kind),
+                        source,
+                    })?;
+                // Each report belongs to exactly one page (see the contract).
+                let scope_uid = report
+                    .scope()
+                    .and_then(|s| s.uid.as_deref())
+                    .filter(|u| !u.is_empty());
+                let keep = match (report.is_managed(), scope_uid) {
+                    (_, None) => first_page,
+                    (true, Some(uid)) => wanted.contains(uid),
+                    (false, Some(_)) => wanted.contains(report.name()),
+                };
+                if keep {
+                    page.reports.push(report);
+                }
+            }
+        }
+
+        if !subjects.is_empty() {
+            let mut q = Sql::new(backend);
+            q.push("SELECT o.body FROM objects o ")
+                .push("LEFT JOIN object_labels l ON l.object_id = o.id AND l.key = ")
+                .bind(LABEL_RESOURCE_UID)
+                .push(" WHERE o.cluster_id = ")
+                .bind(cluster)
+                .push(" AND o.resource = ")
+                .bind(eph_key.as_str())
+                .push(" AND o.namespace = ")
+                .bind(ns)
+                .push(&format!(" AND {subject} IN "))
+                .bind_list(&subjects)
+                .push(" ORDER BY o.name");
+            for row in txn
+                .query_all_raw(q.build())
+                .await
+                .map_err(StoreError::from)?
+            {
+                let body: String = row.try_get("", "body").map_err(StoreError::from)?;
+                let value = parse_document(&format!("{ns}/{eph_key}"), &body)?;
+                let eph =
+                    Ephemeral::from_value(value).map_err(|source| AggregationError::Decode {
+                        what: format!("{eph_kind} {ns}"),
+                        source,
+                    })?;
+                page.ephemerals.push(eph);
+            }
+        }
+        txn.commit().await.map_err(StoreError::from)?;
+        Ok(page)
+    }
+
+    async fn apply_plan(&self, plan: &Plan) -> Result<(), AggregationError> {
+        let ops: Vec<Op<'_>> = plan
+            .creates
+            .iter()
+            .map(Op::Create)
+            .chain(plan.updates.iter().map(Op::Update))
+            .chain(plan.deletes.iter().map(Op::Delete))
+            .chain(plan.ephemeral_deletes.iter().map(Op::ConsumeEphemeral))
+            .collect();
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let addresses: Vec<(ReportKind, String, String)> = ops.iter().map(Op::address).collect();
+        let targets: Vec<Target<'_>> = addresses
+            .iter()
+            .map(|(kind, namespace, name)| Target {
+                resource: descriptor(*kind),
+                namespace,
+                name,
+            })
+            .collect();
+        // All or nothing: an error from any decision rolls the whole transaction back.
+        self.store
+            .mutate_batch(&targets, false, |i, current| ops[i].decide(current))
+            .await?;
+        Ok(())
+    }
+}
+
+/// One write of a plan.
+enum Op<'a> {
+    Create(&'a FinalReport),
+    Update(&'a FinalReport),
+    Delete(&'a ObjectKey),
+    ConsumeEphemeral(&'a ObjectKey),
+}
+
+impl Op<'_> {
+    fn address(&self) -> (ReportKind, String, String) {
+        match self {
+            Op::Create(r) | Op::Update(r) => {
+                (r.kind(), r.namespace().to_owned(), r.name().to_owned())
+            }
+            Op::Delete(k) | Op::ConsumeEphemeral(k) => {
+                (k.kind, k.namespace.clone(), k.name.clone())
+            }
+        }
+    }
+
+    /// Decides the write from the current state, inside the transaction. Reuses the API's own
+    /// rules (`http::objects`) so that aggregated writes are indistinguishable from API writes:
+    /// server-owned metadata on creation, generation bumped on content changes, optimistic
+    /// concurrency, finalizers honoured on deletion.
+    fn decide(&self, current: Option<Value>) -> Result<Mutation, AggregationError> {
+        let (kind, namespace, name) = self.address();
+        let desc = descriptor(kind);
+        let path = ResourcePath {
+            resource: desc,
+            namespace: (!namespace.is_empty()).then(|| namespace.clone()),
+            name: Some(name.clone()),
+        };
+        // Objects come from typed structs: nothing unknown to warn about.
+        let validation = Validation {
+            mode: FieldValidation::Ignore,
+            duplicates: Vec::new(),
+        };
+        let api = |e: ApiError| {
+            if e.code.as_u16() == 409 {
+                AggregationError::Conflict(e.message)
+            } else {
+                AggregationError::Invalid {
+                    kind,
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                    message: e.message,
+                }
+            }
+        };
+        let unmanaged = || AggregationError::Unmanaged {
+            kind,
+            namespace: namespace.clone(),
+            name: name.clone(),
+        };
+        match self {
+            Op::Create(report) => {
+                if current.is_some() {
+                    return Err(AggregationError::Conflict(format!(
+                        "{kind} {namespace}/{name} appeared since it was read"
+                    )));
+                }
+                let mut object = report.to_value();
+                if let Some(meta) = object["metadata"].as_object_mut() {
+                    meta.remove("resourceVersion");
+                }
+                let (object, _, _) = prepare_create(&path, object, &validation).map_err(api)?;
+                Ok(Mutation::Put(object))
+            }
+            Op::Update(report) => {
+                let Some(current) = current else {
+                    return Err(AggregationError::Conflict(format!(
+                        "{kind} {namespace}/{name} was deleted since it was read"
+                    )));
+                };
+                if !is_managed(&current) {
+                    return Err(unmanaged());
+                }
+                let (mutation, _, _) =
+                    decide_update(&path, &name, Some(current), report.to_value(), &validation)
+                        .map_err(api)?;
+                Ok(mutation)
+            }
+            Op::Delete(key) | Op::ConsumeEphemeral(key) => {
+                // Already gone is fine: someone else did the work.
+                let Some(current) = current else {
+                    return Ok(Mutation::Unchanged);
+                };
+                if matches!(self, Op::Delete(_)) && !is_managed(&current) {
+                    return Err(unmanaged());
+                }
+                let preconditions = DeletePreconditions {
+                    uid: key.uid.clone(),
+                    resource_version: key.resource_version.clone(),
+                    dry_run: false,
+                };
+                decide_delete(desc, &name, Some(current), &preconditions).map_err(api)
+            }
+        }
+    }
+}
+
+impl AggregationBackend for StoreBackend {
+    async fn policies(&self) -> Result<Option<PolicySet>, BackendError> {
+        Ok(self
+            .policies
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone())
+    }
+
+    async fn load_page(&self, request: PageRequest<'_>) -> Result<InputPage, BackendError> {
+        Ok(self.page(request).await?)
+    }
+
+    async fn apply(&self, plan: &Plan) -> Result<(), BackendError> {
+        Ok(self.apply_plan(plan).await?)
+    }
+}
+
+/// Timing of the database lease that makes one aggregator active per database.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseConfig {
+    /// How long a lease record must stay unchanged (on the observer's clock) before a
+    /// candidate takes it over.
+    pub duration: Duration,
+    /// How often the holder renews.
+    pub renew_interval: Duration,
+    /// The holder stops aggregating when it could not renew for this long; shorter than
+    /// `duration`, so it has stopped before anyone else may start.
+    pub renew_deadline: Duration,
+    /// How often a candidate looks at the lease (and a failed renewal is retried).
+    pub retry_interval: Duration,
+}
+
+impl Default for LeaseConfig {
+    /// client-go's leader-election defaults, with a shorter retry for a faster takeover.
+    fn default() -> Self {
+        LeaseConfig {
+            duration: Duration::from_secs(15),
+            renew_interval: Duration::from_secs(5),
+            renew_deadline: Duration::from_secs(10),
+            retry_interval: Duration::from_secs(2),
+        }
+    }
+}
+
+/// The in-process aggregator of `reports-server serve`: leader election on the database
+/// lease, event wiring from the change feed, and the aggregator's workers over a
+/// [`StoreBackend`].
+pub struct InProcessAggregator {
+    store: Store,
+    backend: Arc<StoreBackend>,
+    config: AggregatorConfig,
+    metrics: Metrics,
+    lease: LeaseConfig,
+    lease_name: String,
+    holder: String,
+    leading: watch::Sender<bool>,
+}
+
+impl InProcessAggregator {
+    pub fn new(store: Store, config: AggregatorConfig, metrics: Metrics) -> Self {
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "reports-server".into());
+        // Unique per process, readable in `SELECT * FROM leases` (the pod name on Kubernetes).
+        let holder = format!("{host}/{}/{}", std::process::id(), uuid::Uuid::new_v4());
+        InProcessAggregator {
+            lease_name: format!("aggregator/{}", store.cluster_id()),
+            backend: Arc::new(StoreBackend::new(store.clone())),
+            store,
+            config,
+            metrics,
+            lease: LeaseConfig::default(),
+            holder,
+            leading: watch::channel(false).0,
+        }
+    }
+
+    pub fn with_lease(mut self, lease: LeaseConfig) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The backend, e.g. to pass a policy set in.
+    pub fn backend(&self) -> &Arc<StoreBackend> {
+        &self.backend
+    }
+
+    /// This process's identity in the lease row.
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// The lease row's name: `aggregator/<cluster id>`.
+    pub fn lease_name(&self) -> &str {
+        &self.lease_name
+    }
+
+    /// `true` while this instance holds the lease and runs workers.
+    pub fn leading(&self) -> watch::Receiver<bool> {
+        self.leading.subscribe()
+    }
+
+    /// Runs until `cancel` fires: waits for the lease, aggregates while holding it, and
+    /// releases it on the way out.
+    pub async fn run(self, cancel: CancellationToken) {
+        tracing::info!(holder = %self.holder, lease = %self.lease_name, "in-process aggregation: waiting for the lease");
+        let mut observed: Option<(LeaseRecord, Instant)> = None;
+        let mut failing = false;
+        while !cancel.is_cancelled() {
+            let attempt = Instant::now();
+            match self.try_acquire(&mut observed).await {
+                Ok(Some(record)) => {
+                    failing = false;
+                    observed = None;
+                    self.lead(record, attempt, &cancel).await;
+                }
+                Ok(None) => failing = false,
+                Err(e) => {
+                    // Once per outage, not every retry.
+                    if !failing {
+                        tracing::warn!(error = %e, "cannot read the aggregation lease; retrying");
+                    }
+                    failing = true;
+                }
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep(self.lease.retry_interval) => {}
+            }
+        }
+        self.metrics.queue_depth.set(0);
+    }
+
+    /// One acquisition attempt (see `store::lease` for the rules).
+    async fn try_acquire(
+        &self,
+        observed: &mut Option<(LeaseRecord, Instant)>,
+    ) -> Result<Option<LeaseRecord>, StoreError> {
+        let name = &self.lease_name;
+        let Some(current) = self.store.lease_read(name).await? else {
+            return self
+                .store
+                .lease_acquire(name, &self.holder, None, self.lease.duration)
+                .await;
+        };
+        let takeable = current.is_released()
+            || current.holder == self.holder
+            || match observed {
+                Some((seen, since)) if *seen == current => since.elapsed() >= self.lease.duration,
+                _ => {
+                    *observed = Some((current.clone(), Instant::now()));
+                    false
+                }
+            };
+        if !takeable {
+            return Ok(None);
+        }
+        if !current.is_released() && current.holder != self.holder {
+            tracing::info!(previous = %current.holder, "aggregation lease expired; taking over");
+        }
+        self.store
+            .lease_acquire(name, &self.holder, Some(&current), self.lease.duration)
+            .await
+    }
+
+    /// Aggregates while the lease holds; returns when it is lost or `cancel` fires.
+    async fn lead(&self, mut record: LeaseRecord, acquired: Instant, cancel: &CancellationToken) {
+        tracing::info!(holder = %self.holder, "aggregation lease acquired; aggregating");
+        let term = cancel.child_token();
+        self.leading.send_replace(true);
+        let work = self.work(term.clone());
+        tokio::pin!(work);
+        let mut work_done = false;
+        let mut lost = false;
+        let mut last_renewed = acquired;
+        let mut wait = self.lease.renew_interval;
+        loop {
+            tokio::select! {
+                _ = term.cancelled() => break,
+                _ = &mut work => {
+                    work_done = true;
+                    tracing::warn!("aggregation stopped on its own; giving the lease back");
+                    break;
+                }
+                _ = tokio::time::sleep(wait) => {
+                    let started = Instant::now();
+                    // The renewal must land before the deadline, or we must stop anyway.
+                    let budget = self.lease.renew_deadline.saturating_sub(last_renewed.elapsed());
+                    let renewal = tokio::time::timeout(
+                        budget,
+                        self.store.lease_renew(&self.lease_name, &self.holder, &record, self.lease.duration),
+                    )
+                    .await;
+                    match renewal {
+                        Ok(Ok(Some(renewed))) => {
+                            record = renewed;
+                            last_renewed = started;
+                            wait = self.lease.renew_interval;
+                        }
+                        Ok(Ok(None)) => {
+                            tracing::warn!("aggregation lease taken over by another replica; stopping");
+                            lost = true;
+                            break;
+                        }
+                        Ok(Err(e)) if last_renewed.elapsed() < self.lease.renew_deadline => {
+                            tracing::warn!(error = %e, "cannot renew the aggregation lease; retrying");
+                            wait = self.lease.retry_interval;
+                        }
+                        Ok(Err(_)) | Err(_) => {
+                            tracing::warn!("aggregation lease not renewed before the deadline; stopping");
+                            lost = true;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        term.cancel();
+        if !work_done {
+            // Workers stop at their next await point; an interrupted apply rolls back.
+            work.await;
+        }
+        self.leading.send_replace(false);
+        self.metrics.queue_depth.set(0);
+        if !lost {
+            let release = tokio::time::timeout(
+                Duration::from_secs(5),
+                self.store.lease_release(&self.lease_name, &self.holder),
+            )
+            .await;
+            match release {
+                Ok(Ok(_)) => tracing::info!("aggregation lease released"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot release the aggregation lease; it will expire")
+                }
+                Err(_) => {
+                    tracing::warn!("releasing the aggregation lease timed out; it will expire")
+                }
+            }
+        }
+    }
+
+    /// One leadership term: a fresh queue (a cancelled queue may keep keys marked as in
+    /// progress), the change feed, and the workers, all stopped by `term`.
+    async fn work(&self, term: CancellationToken) {
+        let aggregator = Aggregator::new(
+            self.backend.clone(),
+            self.config.clone(),
+            self.metrics.clone(),
+        );
+        // Subscribe before listing, so that a change is either in the listing or on the feed.
+        let (changes, _) = self.store.feed().subscribe().await;
+        let events = follow_changes(&self.backend, &aggregator, changes, &term);
+        let workers = aggregator.clone().run(term.clone());
+        tokio::join!(events, workers);
+    }
+}
+
+/// Enqueues every namespace holding ephemeral reports; retries until it succeeds or `cancel`
+/// fires (a database outage must not lose the initial sweep).
+async fn enqueue_all(
+    backend: &StoreBackend,
+    aggregator: &Aggregator<StoreBackend>,
+    cancel: &CancellationToken,
+) {
+    let mut delay = Duration::from_millis(500);
+    loop {
+        match backend.namespaces_with_ephemerals().await {
+            Ok(namespaces) => {
+                tracing::debug!(
+                    count = namespaces.len(),
+                    "enqueued every namespace with ephemeral reports"
+                );
+                for ns in namespaces {
+                    aggregator.enqueue(&ns);
+                }
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list namespaces with ephemeral reports; retrying")
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(30));
+    }
+}
+
+/// Turns change-feed events into queue entries until `cancel` fires.
+async fn follow_changes(
+    backend: &StoreBackend,
+    aggregator: &Aggregator<StoreBackend>,
+    mut changes: broadcast::Receiver<Arc<Change>>,
+    cancel: &CancellationToken,
+) {
+    enqueue_all(backend, aggregator, cancel).await;
+    loop {
+        let received = tokio::select! {
+            _ = cancel.cancelled() => return,
+            received = changes.recv() => received,
+        };
+        match received {
+            Ok(change) => {
+                if change.event != EventType::Deleted && is_ephemeral_resource(&change.resource) {
+                    aggregator.enqueue(change.namespace.as_str());
+                }
+            }
+            Err(broadcast::error::RecvError::Lagged(missed)) => {
+                tracing::warn!(
+                    missed,
+                    "aggregation fell behind the change feed; re-enqueuing every namespace"
+                );
+                enqueue_all(backend, aggregator, cancel).await;
+            }
+            Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+/// Runs in-process aggregation on `store` until `cancel` fires (the entry point of
+/// `reports-server serve`), with the default lease timing.
+pub async fn run_in_process(
+    store: Store,
+    config: AggregatorConfig,
+    metrics: Metrics,
+    cancel: CancellationToken,
+) {
+    InProcessAggregator::new(store, config, metrics)
+        .run(cancel)
+        .await
+}
