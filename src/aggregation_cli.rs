@@ -24,14 +24,18 @@ use reports_server_apiserver::standalone::RunningServer;
 
 /// `--aggregation-layout` / `--layout` values.
 fn layout_parser() -> impl TypedValueParser<Value = Layout> {
-    PossibleValuesParser::new(["per-resource", "per-policy"])
-        .map(|s| s.parse::<Layout>().expect("only possible values reach here"))
+    PossibleValuesParser::new(["per-resource", "per-policy"]).map(|s| {
+        s.parse::<Layout>()
+            .expect("only possible values reach here")
+    })
 }
 
 /// `--aggregation-output` / `--output` values.
 fn output_parser() -> impl TypedValueParser<Value = OutputFormat> {
-    PossibleValuesParser::new(["wgpolicy", "openreports"])
-        .map(|s| s.parse::<OutputFormat>().expect("only possible values reach here"))
+    PossibleValuesParser::new(["wgpolicy", "openreports"]).map(|s| {
+        s.parse::<OutputFormat>()
+            .expect("only possible values reach here")
+    })
 }
 
 /// A duration in seconds (`30`, `0.5`) or with a unit (`30s`, `500ms`, `2m`), so that
@@ -126,12 +130,12 @@ impl AggregationArgs {
             output = %config.merge.output,
             "in-process aggregation enabled"
         );
-        // The API server's registry is not reachable from here yet, so these metrics are not
-        // exported on /metrics; see the aggregator crate's `Metrics::register`.
+        // Exported on the server's /metrics next to the API metrics.
+        let metrics = server.metrics.register(Metrics::register);
         Some(tokio::spawn(run_in_process(
             server.store.clone(),
             config,
-            Metrics::unregistered(),
+            metrics,
             server.shutdown_token(),
         )))
     }

@@ -2,6 +2,7 @@
 //!
 //! This binary only parses flags and wires the crates together.
 
+mod aggregation_cli;
 mod apiservices;
 mod bench;
 
@@ -48,6 +49,9 @@ enum Command {
     /// Print the ExternalName Service and the three APIServices that route a cluster's report
     /// APIs to a server running outside the cluster (pipe into `kubectl apply -f -`).
     Apiservices(apiservices::ApiservicesArgs),
+    /// Merge ephemeral reports into policy reports offline (YAML in, YAML out), as the server's
+    /// aggregator would.
+    Aggregate(aggregation_cli::AggregateArgs),
 }
 
 /// How `serve` authenticates and authorizes callers.
@@ -80,6 +84,8 @@ pub struct DatabaseArgs {
 struct ServeArgs {
     #[command(flatten)]
     database: DatabaseArgs,
+    #[command(flatten)]
+    aggregation: aggregation_cli::AggregationArgs,
     /// Address to listen on.
     #[arg(long, env = "REPORTS_SERVER_BIND_ADDRESS", default_value = "127.0.0.1")]
     bind_address: IpAddr,
@@ -223,6 +229,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(args) => serve(args).await,
         Command::Bench(args) => bench::run(args).await,
         Command::Apiservices(args) => apiservices::run(args),
+        Command::Aggregate(args) => aggregation_cli::run_offline(args),
     }
 }
 
@@ -284,6 +291,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             server.kubeconfig.display()
         );
     }
+    let aggregation = args.aggregation.spawn(&server);
     let token = server.shutdown_token();
     tokio::spawn(async move {
         shutdown_signal().await;
@@ -291,6 +299,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         token.cancel();
     });
     server.wait().await;
+    if let Some(aggregation) = aggregation {
+        // Releases the aggregation lease at once so another replica takes over without waiting.
+        let _ = aggregation.await;
+    }
     Ok(())
 }
 

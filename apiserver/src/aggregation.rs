@@ -381,15 +381,21 @@ impl StoreBackend {
                         what: format!("{} {ns}", request.report_kind),
                         source,
                     })?;
-                // Each report belongs to exactly one page (see the contract).
+                // A managed report belongs to exactly one page: its subject's, or the first if
+                // it spans subjects. An unmanaged one is only there to reveal name collisions:
+                // on the page of the subject it is named after, and (without a scope, like a
+                // per-policy report) also on the first page, for the namespace-wide merge of
+                // the per-policy layout, whose report names are not subject UIDs.
                 let scope_uid = report
                     .scope()
                     .and_then(|s| s.uid.as_deref())
                     .filter(|u| !u.is_empty());
                 let keep = match (report.is_managed(), scope_uid) {
-                    (_, None) => first_page,
                     (true, Some(uid)) => wanted.contains(uid),
-                    (false, Some(_)) => wanted.contains(report.name()),
+                    (true, None) => first_page,
+                    (false, scope) => {
+                        wanted.contains(report.name()) || (first_page && scope.is_none())
+                    }
                 };
                 if keep {
                     page.reports.push(report);

@@ -24,7 +24,8 @@ pub struct VerbLabels {
 }
 
 pub struct Metrics {
-    pub registry: Registry,
+    /// Behind a lock so components started later (the in-process aggregator) can add theirs.
+    registry: std::sync::Mutex<Registry>,
     requests: Family<RequestLabels, Counter>,
     durations: Family<VerbLabels, Histogram>,
     watchers: Gauge<i64, AtomicI64>,
@@ -42,7 +43,8 @@ impl Drop for WatcherGuard {
 
 impl Metrics {
     pub fn new() -> Arc<Self> {
-        let mut registry = Registry::with_prefix("reports_server");
+        // No registry prefix: every component names its metrics `reports_server_<component>_…`.
+        let mut registry = Registry::default();
         let requests = Family::<RequestLabels, Counter>::default();
         let durations = Family::<VerbLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.001, 2.0, 16))
@@ -50,23 +52,27 @@ impl Metrics {
         let watchers = Gauge::<i64, AtomicI64>::default();
         let watchers_cut_off = Counter::default();
         registry.register(
-            "apiserver_requests",
+            "reports_server_apiserver_requests",
             "API requests by verb, resource and HTTP code",
             requests.clone(),
         );
         registry.register(
-            "apiserver_request_duration_seconds",
+            "reports_server_apiserver_request_duration_seconds",
             "API request latency (watches: until the response starts)",
             durations.clone(),
         );
-        registry.register("apiserver_watchers", "Open watch streams", watchers.clone());
         registry.register(
-            "apiserver_watchers_cut_off",
+            "reports_server_apiserver_watchers",
+            "Open watch streams",
+            watchers.clone(),
+        );
+        registry.register(
+            "reports_server_apiserver_watchers_cut_off",
             "Watchers ended because they fell behind the change feed",
             watchers_cut_off.clone(),
         );
         Arc::new(Metrics {
-            registry,
+            registry: std::sync::Mutex::new(registry),
             requests,
             durations,
             watchers,
@@ -99,10 +105,15 @@ impl Metrics {
         self.watchers_cut_off.inc();
     }
 
+    /// Lets another component register its metrics in the `/metrics` registry.
+    pub fn register<T>(&self, f: impl FnOnce(&mut Registry) -> T) -> T {
+        f(&mut self.registry.lock().expect("metrics registry"))
+    }
+
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
-            .expect("metrics encode");
+        let registry = self.registry.lock().expect("metrics registry");
+        prometheus_client::encoding::text::encode(&mut out, &registry).expect("metrics encode");
         out
     }
 }

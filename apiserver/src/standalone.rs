@@ -59,6 +59,8 @@ pub struct StandaloneConfig {
 /// A running server.
 pub struct RunningServer {
     pub addr: SocketAddr,
+    /// The `/metrics` registry, for components started next to the server.
+    pub metrics: Arc<Metrics>,
     pub kubeconfig: PathBuf,
     pub store: Store,
     pub pki: StandalonePki,
@@ -116,7 +118,7 @@ pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError
                 authenticator: Arc::new(ClientCertAuthenticator),
                 authorizer: Arc::new(AllowAuthenticated),
                 admission: None,
-                metrics,
+                metrics: metrics.clone(),
                 options: config.api.clone(),
             };
             (state, tls)
@@ -130,7 +132,7 @@ pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError
                 authenticator,
                 authorizer: Arc::new(SarAuthorizer::new(client.clone())),
                 admission: Some(NamespaceLifecycle::start(client.clone()).await),
-                metrics,
+                metrics: metrics.clone(),
                 options: config.api.clone(),
             };
             (state, tls)
@@ -145,6 +147,7 @@ pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError
     ));
     let running = RunningServer {
         addr,
+        metrics,
         kubeconfig: config.kubeconfig.clone(),
         store,
         pki,
