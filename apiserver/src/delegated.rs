@@ -186,14 +186,13 @@ pub fn identity_from_headers(
     for (header, value) in headers {
         let header = header.as_str();
         for prefix in &config.extra_prefixes {
-            if let Some(key) = header.strip_prefix(&prefix.to_ascii_lowercase()) {
-                if let Ok(v) = value.to_str() {
+            if let Some(key) = header.strip_prefix(&prefix.to_ascii_lowercase())
+                && let Ok(v) = value.to_str() {
                     extra
                         .entry(percent_decode(key).to_ascii_lowercase())
                         .or_default()
                         .push(v.to_owned());
                 }
-            }
         }
     }
     Some(UserInfo {
@@ -262,11 +261,10 @@ impl DelegatedAuthenticator {
     async fn token_review(&self, token: &str) -> Result<Option<UserInfo>, AuthError> {
         use sha2::Digest;
         let key = hex::encode(sha2::Sha256::digest(token.as_bytes()));
-        if let Some((user, at)) = self.tokens.lock().expect("token cache").get(&key) {
-            if at.elapsed() < CACHE_TTL {
+        if let Some((user, at)) = self.tokens.lock().expect("token cache").get(&key)
+            && at.elapsed() < CACHE_TTL {
                 return Ok(user.clone());
             }
-        }
         let api: Api<TokenReview> = Api::all(self.client.clone());
         let review = TokenReview {
             spec: TokenReviewSpec {
@@ -404,10 +402,13 @@ impl ClientCertVerifier for DynamicClientVerifier {
     }
 }
 
+/// An authorization answer (`Err` carries the denial reason) and when it was obtained.
+type CachedDecision = (Result<(), String>, Instant);
+
 /// Authorizes with SubjectAccessReviews, caching allowed and denied answers.
 pub struct SarAuthorizer {
     client: kube::Client,
-    cache: Mutex<HashMap<String, (Result<(), String>, Instant)>>,
+    cache: Mutex<HashMap<String, CachedDecision>>,
 }
 
 impl SarAuthorizer {
@@ -433,11 +434,10 @@ impl Authorizer for SarAuthorizer {
             "{}\u{0}{:?}\u{0}{:?}\u{0}{:?}\u{0}{a:?}",
             user.name, user.groups, user.uid, user.extra
         );
-        if let Some((decision, at)) = self.cache.lock().expect("sar cache").get(&key) {
-            if at.elapsed() < CACHE_TTL {
+        if let Some((decision, at)) = self.cache.lock().expect("sar cache").get(&key)
+            && at.elapsed() < CACHE_TTL {
                 return Ok(decision.clone());
             }
-        }
         let spec = SubjectAccessReviewSpec {
             user: Some(user.name.clone()),
             groups: Some(user.groups.clone()),

@@ -62,7 +62,19 @@ async fn put(store: &Store, desc: &'static ResourceDescriptor, mut object: Value
         .to_owned();
     let name = object["metadata"]["name"].as_str().unwrap().to_owned();
     let meta = &mut object["metadata"];
-    meta["uid"] = json!(format!("uid-{ns}-{name}"));
+    // Deterministic, and UID-shaped (the column holds 36 characters).
+    let h = {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (&ns, &name).hash(&mut hasher);
+        hasher.finish()
+    };
+    meta["uid"] = json!(format!(
+        "{:08x}-{:04x}-4000-8000-{:012x}",
+        h >> 32,
+        (h >> 16) & 0xffff,
+        h & 0xffff_ffff_ffff
+    ));
     meta["creationTimestamp"] = json!("2024-01-01T00:00:00Z");
     meta["generation"] = json!(1);
     store

@@ -756,8 +756,8 @@ impl Drop for KubectlLines {
 // ---- 1. the APIs through kube-apiserver --------------------------------------------------------
 
 /// The three APIServices become Available; discovery, `kubectl explain`, and get/list/watch/
-/// apply (client-side and server-side)/delete on all six resources through kube-apiserver;
-/// creating in a namespace that does not exist fails.
+/// apply/create/delete on all six resources with kubectl through kube-apiserver; creating in a
+/// namespace that does not exist fails; OpenAPI v3 reaches kube-apiserver (`kubectl explain`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2e_apis_through_kube_apiserver() -> Result<()> {
     let env = Env::start("e2e_apis_through_kube_apiserver").await?;
@@ -944,8 +944,8 @@ async fn e2e_apis_through_kube_apiserver() -> Result<()> {
     env.stop().await
 }
 
-/// apply (create, update), get, list (names, table, all namespaces), watch, server-side apply and
-/// delete of one resource, all with kubectl through kube-apiserver.
+/// apply (create, update), create, get, list (names, table, all namespaces), watch and delete of
+/// one resource, all with kubectl through kube-apiserver.
 fn crud_with_kubectl(k: &Kubectl, res: Res, ns: &str) -> Result<()> {
     let q = res.qualified();
     let ns_args: Vec<&str> = if res.namespaced {
@@ -1043,33 +1043,12 @@ fn crud_with_kubectl(k: &Kubectl, res: Res, ns: &str) -> Result<()> {
         ends_with("crud-a"),
     )?;
 
-    // Server-side apply: create and update.
-    let ssa = ["--server-side", "--field-manager=e2e-ssa"];
-    let out = apply(&ssa, "crud-b", 1)?;
-    ensure!(
-        out.contains("crud-b serverside-applied"),
-        "apply --server-side: {out}"
-    );
-    let out = apply(&ssa, "crud-b", 3)?;
-    ensure!(
-        out.contains("crud-b serverside-applied"),
-        "apply --server-side: {out}"
-    );
-    let obj: Value = serde_json::from_str(&run(&["get", &q, "crud-b", "-o", "json"])?)?;
-    let pass = if res.in_spec {
-        &obj["spec"]["summary"]["pass"]
-    } else {
-        &obj["summary"]["pass"]
-    };
-    ensure!(*pass == 3, "after server-side apply: {obj}");
-    ensure!(
-        obj["metadata"]["managedFields"]
-            .as_array()
-            .is_some_and(|m| m
-                .iter()
-                .any(|f| f["manager"] == "e2e-ssa" && f["operation"] == "Apply")),
-        "no Apply managedFields entry for e2e-ssa: {obj}"
-    );
+    // kubectl create: a second object.
+    let out = k.run_with_stdin(
+        &["create", "-f", "-"],
+        Some(&res.manifest("crud-b", ns_opt, 1).to_string()),
+    )?;
+    ensure!(out.contains("crud-b created"), "create: {out}");
     watch.wait_for(
         "watch: crud-b",
         1,
@@ -1088,6 +1067,107 @@ fn crud_with_kubectl(k: &Kubectl, res: Res, ns: &str) -> Result<()> {
     );
     let empty = run(&["get", &q, "-o", "name"])?;
     ensure!(empty.trim().is_empty(), "list after delete: {empty}");
+    Ok(())
+}
+
+// ---- 1b. server-side apply ----------------------------------------------------------------------
+
+/// `kubectl apply --server-side` through kube-apiserver on all six resources: create, update,
+/// managedFields, a conflict with another field manager, `--force-conflicts`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_server_side_apply_through_kube_apiserver() -> Result<()> {
+    let env = Env::start("e2e_server_side_apply_through_kube_apiserver").await?;
+    let ns = "e2e-ssa";
+    env.create_namespace(ns).await?;
+    for res in ALL {
+        let t = Instant::now();
+        server_side_apply_with_kubectl(&env.admin, res, ns)
+            .with_context(|| format!("kubectl apply --server-side on {}", res.qualified()))
+            .with_context(|| env.diagnostics())?;
+        eprintln!(
+            "[e2e] server-side apply {}: {:.1?}",
+            res.qualified(),
+            t.elapsed()
+        );
+    }
+    env.stop().await
+}
+
+fn server_side_apply_with_kubectl(k: &Kubectl, res: Res, ns: &str) -> Result<()> {
+    let q = res.qualified();
+    let ns_opt = res.namespaced.then_some(ns);
+    let mut ns_args = Vec::new();
+    if res.namespaced {
+        ns_args = vec!["-n", ns];
+    }
+    let apply = |manager: &str, pass: i64, force: bool| {
+        let manager = format!("--field-manager={manager}");
+        let mut args = vec!["apply", "--server-side", &manager, "-f", "-"];
+        if force {
+            args.push("--force-conflicts");
+        }
+        k.output(&args, Some(&res.manifest("ssa", ns_opt, pass).to_string()))
+    };
+    let get = || -> Result<Value> {
+        let mut args = vec!["get", &q, "ssa", "-o", "json"];
+        args.extend_from_slice(&ns_args);
+        Ok(serde_json::from_str(&k.run(&args)?)?)
+    };
+    let pass_of = |obj: &Value| {
+        if res.in_spec {
+            obj["spec"]["summary"]["pass"].clone()
+        } else {
+            obj["summary"]["pass"].clone()
+        }
+    };
+    let ok = |out: std::process::Output, what: &str| -> Result<String> {
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        ensure!(
+            out.status.success() && stdout.contains("ssa serverside-applied"),
+            "{what}: {}\nstdout: {stdout}\nstderr: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(stdout)
+    };
+
+    // Create, then update, as manager e2e-ssa.
+    ok(apply("e2e-ssa", 1, false)?, "apply --server-side (create)")?;
+    ok(apply("e2e-ssa", 3, false)?, "apply --server-side (update)")?;
+    let obj = get()?;
+    ensure!(pass_of(&obj) == 3, "after server-side apply: {obj}");
+    ensure!(
+        obj["metadata"]["managedFields"]
+            .as_array()
+            .is_some_and(|m| m
+                .iter()
+                .any(|f| f["manager"] == "e2e-ssa" && f["operation"] == "Apply")),
+        "no Apply managedFields entry for e2e-ssa: {obj}"
+    );
+
+    // Another manager setting the same field to another value conflicts...
+    let out = apply("e2e-other", 5, false)?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && stderr.to_lowercase().contains("conflict"),
+        "a second field manager must conflict: {}\nstderr: {stderr}",
+        out.status
+    );
+    ensure!(
+        pass_of(&get()?) == 3,
+        "a conflicting apply changed the object"
+    );
+    // ... unless it forces the conflict and takes the field over.
+    ok(
+        apply("e2e-other", 5, true)?,
+        "apply --server-side --force-conflicts",
+    )?;
+    ensure!(pass_of(&get()?) == 5, "--force-conflicts did not apply");
+
+    let mut args = vec!["delete", &q, "ssa"];
+    args.extend_from_slice(&ns_args);
+    let deleted = k.run(&args)?;
+    ensure!(deleted.contains("deleted"), "delete: {deleted}");
     Ok(())
 }
 
