@@ -39,7 +39,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve the report APIs. With no flags: 127.0.0.1:6443, embedded SQLite, own CA and a kubeconfig.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print the CustomResourceDefinitions of the served kinds (generated from the Rust types).
     Crds,
     /// Apply database migrations and exit.
@@ -226,7 +226,7 @@ async fn main() -> anyhow::Result<()> {
             eprintln!("database is at the latest schema version");
             Ok(())
         }
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         Command::Bench(args) => bench::run(args).await,
         Command::Apiservices(args) => apiservices::run(args),
         Command::Aggregate(args) => aggregation_cli::run_offline(args),

@@ -187,12 +187,13 @@ pub fn identity_from_headers(
         let header = header.as_str();
         for prefix in &config.extra_prefixes {
             if let Some(key) = header.strip_prefix(&prefix.to_ascii_lowercase())
-                && let Ok(v) = value.to_str() {
-                    extra
-                        .entry(percent_decode(key).to_ascii_lowercase())
-                        .or_default()
-                        .push(v.to_owned());
-                }
+                && let Ok(v) = value.to_str()
+            {
+                extra
+                    .entry(percent_decode(key).to_ascii_lowercase())
+                    .or_default()
+                    .push(v.to_owned());
+            }
         }
     }
     Some(UserInfo {
@@ -262,9 +263,10 @@ impl DelegatedAuthenticator {
         use sha2::Digest;
         let key = hex::encode(sha2::Sha256::digest(token.as_bytes()));
         if let Some((user, at)) = self.tokens.lock().expect("token cache").get(&key)
-            && at.elapsed() < CACHE_TTL {
-                return Ok(user.clone());
-            }
+            && at.elapsed() < CACHE_TTL
+        {
+            return Ok(user.clone());
+        }
         let api: Api<TokenReview> = Api::all(self.client.clone());
         let review = TokenReview {
             spec: TokenReviewSpec {
@@ -435,9 +437,10 @@ impl Authorizer for SarAuthorizer {
             user.name, user.groups, user.uid, user.extra
         );
         if let Some((decision, at)) = self.cache.lock().expect("sar cache").get(&key)
-            && at.elapsed() < CACHE_TTL {
-                return Ok(decision.clone());
-            }
+            && at.elapsed() < CACHE_TTL
+        {
+            return Ok(decision.clone());
+        }
         let spec = SubjectAccessReviewSpec {
             user: Some(user.name.clone()),
             groups: Some(user.groups.clone()),

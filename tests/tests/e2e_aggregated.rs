@@ -755,7 +755,7 @@ impl Drop for KubectlLines {
 
 // ---- 1. the APIs through kube-apiserver --------------------------------------------------------
 
-/// The three APIServices become Available; discovery, `kubectl explain`, and get/list/watch/
+/// The three APIServices become Available; discovery and get/list/watch/
 /// apply/create/delete on all six resources with kubectl through kube-apiserver; creating in a
 /// namespace that does not exist fails; OpenAPI v3 reaches kube-apiserver (`kubectl explain`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
