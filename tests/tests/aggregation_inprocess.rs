@@ -718,7 +718,10 @@ async fn served_aggregation_survives_kill_9() {
             async || count::<PolicyReport>(&client).await > demo.len(),
         )
         .await;
+        // For the log: how far the merge had got (about) when the process died.
+        let written = count::<PolicyReport>(&client).await;
         server.kill();
+        eprintln!("{backend:?}: killed with {written} of {expected} PolicyReports written");
         server
             .restart()
             .await

@@ -416,9 +416,14 @@ impl Env {
     async fn start(name: &'static str) -> Result<Env> {
         let serial = SERIAL.lock().await;
         kubectl_path()?;
-        let t0 = Instant::now();
         // Build first: `cargo build` can take minutes, the control plane is up in seconds.
+        let t = Instant::now();
         server::binary().context("building reports-server")?;
+        eprintln!(
+            "[e2e] {name}: reports-server binary built in {:.1?}",
+            t.elapsed()
+        );
+        let t0 = Instant::now();
         let cp = ControlPlane::start(ControlPlaneOptions::with_controller_manager())
             .await
             .context("starting the e2e control plane (see docs/e2e.md)")?;
@@ -2008,7 +2013,8 @@ async fn e2e_restart_keeps_acknowledged_writes() -> Result<()> {
     let killed_at = Instant::now();
     env.server.kill();
     let killed_after = progress.load(Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Down for a few seconds: several writes hit the outage.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let restart = env.server.restart().await;
     let restarted_at = Instant::now();
     let available = match restart {
