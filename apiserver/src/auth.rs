@@ -15,6 +15,23 @@ pub struct UserInfo {
     pub extra: std::collections::BTreeMap<String, Vec<String>>,
 }
 
+impl UserInfo {
+    /// Adds `system:authenticated` as k8s.io/apiserver does for every authenticated user
+    /// (not for `system:anonymous`, and not twice). RBAC's default `system:discovery` and
+    /// `system:public-info-viewer` bindings name that group, so without it kube-aggregator's
+    /// OpenAPI downloader (user `system:aggregator`, no group headers) would be denied.
+    pub fn with_authenticated_group(mut self) -> Self {
+        let has_marker = self
+            .groups
+            .iter()
+            .any(|g| g == "system:authenticated" || g == "system:unauthenticated");
+        if self.name != "system:anonymous" && !has_marker {
+            self.groups.push("system:authenticated".into());
+        }
+        self
+    }
+}
+
 /// The verified client certificate chain of a TLS connection (leaf first), if any.
 #[derive(Clone, Debug, Default)]
 pub struct PeerCertificates(pub Arc<Vec<CertificateDer<'static>>>);
@@ -100,5 +117,41 @@ impl Authorizer for AllowAuthenticated {
         _: &Attributes,
     ) -> Result<Result<(), String>, AuthError> {
         Ok(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn user(name: &str, groups: &[&str]) -> UserInfo {
+        UserInfo {
+            name: name.into(),
+            groups: groups.iter().map(|g| g.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn authenticated_users_join_system_authenticated_once() {
+        assert_eq!(
+            user("system:aggregator", &[])
+                .with_authenticated_group()
+                .groups,
+            ["system:authenticated"]
+        );
+        assert_eq!(
+            user("alice", &["dev", "system:authenticated"])
+                .with_authenticated_group()
+                .groups,
+            ["dev", "system:authenticated"]
+        );
+        assert!(
+            user("system:anonymous", &["system:unauthenticated"])
+                .with_authenticated_group()
+                .groups
+                .iter()
+                .all(|g| g != "system:authenticated")
+        );
     }
 }

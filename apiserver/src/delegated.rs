@@ -302,6 +302,17 @@ impl DelegatedAuthenticator {
 #[async_trait::async_trait]
 impl Authenticator for DelegatedAuthenticator {
     async fn authenticate(&self, request: &AuthRequest<'_>) -> Result<Option<UserInfo>, AuthError> {
+        Ok(self
+            .identify(request)
+            .await?
+            .map(UserInfo::with_authenticated_group))
+    }
+}
+
+impl DelegatedAuthenticator {
+    /// Who the request says it is, by the first method that applies: front-proxy headers, a
+    /// client certificate, a bearer token.
+    async fn identify(&self, request: &AuthRequest<'_>) -> Result<Option<UserInfo>, AuthError> {
         let config = self.current();
         let chain = request.peer.0.as_slice();
         if !chain.is_empty() {
