@@ -764,7 +764,6 @@ impl Drop for KubectlLines {
 /// apply/create/delete on all six resources with kubectl through kube-apiserver; creating in a
 /// namespace that does not exist fails; OpenAPI v3 reaches kube-apiserver (`kubectl explain`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "not yet verified against the delegated server; run with: cargo test -p reports-server-tests --test e2e_aggregated -- --ignored"]
 async fn e2e_apis_through_kube_apiserver() -> Result<()> {
     let env = Env::start("e2e_apis_through_kube_apiserver").await?;
     let k = &env.admin;
@@ -1081,7 +1080,6 @@ fn crud_with_kubectl(k: &Kubectl, res: Res, ns: &str) -> Result<()> {
 /// `kubectl apply --server-side` through kube-apiserver on all six resources: create, update,
 /// managedFields, a conflict with another field manager, `--force-conflicts`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "not yet verified against the delegated server; run with: cargo test -p reports-server-tests --test e2e_aggregated -- --ignored"]
 async fn e2e_server_side_apply_through_kube_apiserver() -> Result<()> {
     let env = Env::start("e2e_server_side_apply_through_kube_apiserver").await?;
     let ns = "e2e-ssa";
@@ -1183,7 +1181,6 @@ fn server_side_apply_with_kubectl(k: &Kubectl, res: Res, ns: &str) -> Result<()>
 /// kube-controller-manager's garbage collector deletes reports whose owner (a ConfigMap) is
 /// deleted, and orphans them (removes the ownerReference) when asked to.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "not yet verified against the delegated server; run with: cargo test -p reports-server-tests --test e2e_aggregated -- --ignored"]
 async fn e2e_garbage_collection() -> Result<()> {
     let env = Env::start("e2e_garbage_collection").await?;
     let ns = "e2e-gc";
@@ -1321,7 +1318,6 @@ async fn e2e_garbage_collection() -> Result<()> {
 /// reports (waiting for a finalizer), creates in the terminating namespace are refused, and
 /// nothing is left in our database. Reports in other namespaces stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "not yet verified against the delegated server; run with: cargo test -p reports-server-tests --test e2e_aggregated -- --ignored"]
 async fn e2e_namespace_deletion() -> Result<()> {
     let env = Env::start("e2e_namespace_deletion").await?;
     let (ns, keep) = ("e2e-doomed", "e2e-kept");
@@ -1466,7 +1462,6 @@ async fn e2e_namespace_deletion() -> Result<()> {
 /// alice may read policyreports in team-a only, her watch in team-a never shows team-b, and
 /// anonymous, unknown or spoofed requests straight to the server are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "not yet verified against the delegated server; run with: cargo test -p reports-server-tests --test e2e_aggregated -- --ignored"]
 async fn e2e_authn_authz() -> Result<()> {
     let env = Env::start("e2e_authn_authz").await?;
     let (a, b) = ("team-a", "team-b");
@@ -1929,7 +1924,6 @@ struct WriteAttempt {
 /// restarted; every write kubectl reported as successful is there afterwards, with the uid it
 /// was acknowledged with.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "not yet verified against the delegated server; run with: cargo test -p reports-server-tests --test e2e_aggregated -- --ignored"]
 async fn e2e_restart_keeps_acknowledged_writes() -> Result<()> {
     const BEFORE_KILL: usize = 20;
     const TOTAL: usize = 60;
