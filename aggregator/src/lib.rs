@@ -15,10 +15,14 @@
 //! * [`backend`]: the storage trait the workers call; [`memory`]: an in-memory implementation;
 //! * [`aggregator`]: queue + backend + merge;
 //! * [`offline`]: YAML in, YAML out, for `reports-server aggregate`;
-//! * [`metrics`]: Prometheus metrics.
+//! * [`metrics`]: Prometheus metrics;
+//! * `cluster` (feature `kube`): the backend over the Kubernetes API, with a Lease, policy
+//!   watches and adoption of admission reports.
 
 pub mod aggregator;
 pub mod backend;
+#[cfg(feature = "kube")]
+pub mod cluster;
 pub mod error;
 pub mod memory;
 pub mod merge;
@@ -39,7 +43,7 @@ pub use merge::{
 };
 pub use metrics::Metrics;
 pub use offline::{OfflineOptions, aggregate_offline};
-pub use policy::PolicySet;
+pub use policy::{POLICY_KINDS, PolicyKind, PolicySet};
 pub use queue::{QueueConfig, WorkQueue};
 pub use report::{Ephemeral, FinalReport, ObjectKey, ReportKind};
 pub use tokio_util::sync::CancellationToken;

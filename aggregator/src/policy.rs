@@ -50,12 +50,112 @@ pub struct PolicyEntry {
 
 /// The set of live policies, keyed the way results name them: `<name>` for cluster-wide
 /// policies, `<namespace>/<name>` for namespaced ones.
+///
+/// A set can be *partly* known: when the policies of one kind cannot be observed (its CRD is
+/// not installed, the watch is forbidden or not synced yet), that kind is marked unknown with
+/// [`PolicySet::mark_unknown`] and no result it could have produced is dropped, while results of
+/// the kinds that are known are still filtered.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicySet {
     kyverno: BTreeMap<String, PolicyEntry>,
     /// Result source (e.g. `ValidatingAdmissionPolicy`) → policy keys.
     by_source: BTreeMap<&'static str, BTreeSet<String>>,
+    /// `(source key, namespaced)` of the kinds whose policies are unknown; the source key of
+    /// Kyverno's ClusterPolicy/Policy is [`KYVERNO_SOURCE`].
+    unknown: BTreeSet<(&'static str, bool)>,
 }
+
+/// Source key of results of Kyverno `ClusterPolicy`/`Policy` objects (every result whose
+/// `source` is not one of the CEL/admission sources).
+pub const KYVERNO_SOURCE: &str = "kyverno";
+
+/// A kind of policy whose results can appear in reports, as the cluster serves it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyKind {
+    pub group: &'static str,
+    pub kind: &'static str,
+    /// The `source` of the results it produces ([`KYVERNO_SOURCE`] for Kyverno policies).
+    pub source: &'static str,
+    /// Namespaced kinds name their results `<namespace>/<name>`.
+    pub namespaced: bool,
+}
+
+/// Every policy kind whose results the aggregator filters, in the groups Kyverno and Kubernetes
+/// serve them (the version is whatever the cluster prefers).
+pub const POLICY_KINDS: [PolicyKind; 12] = [
+    PolicyKind {
+        group: "kyverno.io",
+        kind: "ClusterPolicy",
+        source: KYVERNO_SOURCE,
+        namespaced: false,
+    },
+    PolicyKind {
+        group: "kyverno.io",
+        kind: "Policy",
+        source: KYVERNO_SOURCE,
+        namespaced: true,
+    },
+    PolicyKind {
+        group: "admissionregistration.k8s.io",
+        kind: "ValidatingAdmissionPolicy",
+        source: "ValidatingAdmissionPolicy",
+        namespaced: false,
+    },
+    PolicyKind {
+        group: "admissionregistration.k8s.io",
+        kind: "MutatingAdmissionPolicy",
+        source: "MutatingAdmissionPolicy",
+        namespaced: false,
+    },
+    PolicyKind {
+        group: "policies.kyverno.io",
+        kind: "ValidatingPolicy",
+        source: "KyvernoValidatingPolicy",
+        namespaced: false,
+    },
+    PolicyKind {
+        group: "policies.kyverno.io",
+        kind: "NamespacedValidatingPolicy",
+        source: "KyvernoValidatingPolicy",
+        namespaced: true,
+    },
+    PolicyKind {
+        group: "policies.kyverno.io",
+        kind: "ImageValidatingPolicy",
+        source: "KyvernoImageValidatingPolicy",
+        namespaced: false,
+    },
+    PolicyKind {
+        group: "policies.kyverno.io",
+        kind: "NamespacedImageValidatingPolicy",
+        source: "KyvernoImageValidatingPolicy",
+        namespaced: true,
+    },
+    PolicyKind {
+        group: "policies.kyverno.io",
+        kind: "GeneratingPolicy",
+        source: "KyvernoGeneratingPolicy",
+        namespaced: false,
+    },
+    PolicyKind {
+        group: "policies.kyverno.io",
+        kind: "NamespacedGeneratingPolicy",
+        source: "KyvernoGeneratingPolicy",
+        namespaced: true,
+    },
+    PolicyKind {
+        group: "policies.kyverno.io",
+        kind: "MutatingPolicy",
+        source: "KyvernoMutatingPolicy",
+        namespaced: false,
+    },
+    PolicyKind {
+        group: "policies.kyverno.io",
+        kind: "NamespacedMutatingPolicy",
+        source: "KyvernoMutatingPolicy",
+        namespaced: true,
+    },
+];
 
 impl PolicySet {
     pub fn new() -> Self {
@@ -182,6 +282,17 @@ impl PolicySet {
         }
     }
 
+    /// Marks the policies of `kind` as unknown: no result of that kind is dropped any more,
+    /// whatever policies of that kind the set holds.
+    pub fn mark_unknown(&mut self, kind: &PolicyKind) {
+        self.unknown.insert((kind.source, kind.namespaced));
+    }
+
+    /// Whether the policies of `kind` are known (not marked unknown).
+    pub fn is_known(&self, kind: &PolicyKind) -> bool {
+        !self.unknown.contains(&(kind.source, kind.namespaced))
+    }
+
     /// The Kyverno policy with this key, if live.
     pub fn kyverno_policy(&self, key: &str) -> Option<&PolicyEntry> {
         self.kyverno.get(key)
@@ -199,16 +310,32 @@ impl PolicySet {
     /// Whether a result should be kept: Kyverno's `mergeReports` filter.
     pub fn allows(&self, result: &ReportResult) -> bool {
         let source = result.source.as_deref().unwrap_or_default();
+        // Results of namespaced kinds name their policy `<namespace>/<name>`.
+        let namespaced = result.policy.contains('/');
         if is_cel_source(source) {
+            if self.unknown.contains(&(source, namespaced)) {
+                return true;
+            }
             return self
                 .by_source
                 .get(source)
                 .is_some_and(|s| s.contains(&result.policy));
         }
+        if self.unknown.contains(&(KYVERNO_SOURCE, namespaced)) {
+            return true;
+        }
         self.kyverno
             .get(&result.policy)
             .is_some_and(|p| p.rules.contains(result.rule.as_deref().unwrap_or_default()))
     }
+}
+
+/// The policy kind of `apiVersion`/`kind`, if it is one whose results the aggregator filters.
+pub fn policy_kind(api_version: &str, kind: &str) -> Option<&'static PolicyKind> {
+    let group = api_version.rsplit_once('/').map_or("", |(g, _)| g);
+    POLICY_KINDS
+        .iter()
+        .find(|k| k.group == group && k.kind == kind)
 }
 
 /// The result `source` written for policies of a CEL / admission kind.
@@ -559,6 +686,50 @@ mod tests {
         set.insert_value(&p).unwrap();
         assert!(set.kyverno_policy("team/p").is_some());
         assert!(set.kyverno_policy("p").is_none());
+    }
+
+    #[test]
+    fn unknown_kinds_keep_their_results_and_only_theirs() {
+        let mut set = PolicySet::new();
+        set.insert_kyverno_policy("p", ["r"]);
+        let r = |source: &str, policy: &str, rule: &str| ReportResult {
+            source: Some(source.into()),
+            policy: policy.into(),
+            rule: Some(rule.into()),
+            ..Default::default()
+        };
+        assert!(!set.allows(&r("kyverno", "team/q", "r")));
+        assert!(!set.allows(&r("KyvernoValidatingPolicy", "team/v", "")));
+        let policy = policy_kind("kyverno.io/v1", "Policy").unwrap();
+        set.mark_unknown(policy);
+        assert!(!set.is_known(policy));
+        // Namespaced Kyverno policies are unknown now; cluster policies are still filtered.
+        assert!(set.allows(&r("kyverno", "team/q", "anything")));
+        assert!(set.allows(&r("kyverno", "p", "r")));
+        assert!(!set.allows(&r("kyverno", "gone", "r")));
+        assert!(!set.allows(&r("kyverno", "p", "gone")));
+        set.mark_unknown(
+            policy_kind("policies.kyverno.io/v1", "NamespacedValidatingPolicy").unwrap(),
+        );
+        assert!(set.allows(&r("KyvernoValidatingPolicy", "team/v", "")));
+        assert!(!set.allows(&r("KyvernoValidatingPolicy", "v", "")));
+        assert!(policy_kind("kyverno.io/v1", "PolicyException").is_none());
+    }
+
+    #[test]
+    fn every_policy_kind_is_recognised_when_parsed() {
+        for k in POLICY_KINDS {
+            let mut set = PolicySet::new();
+            let mut obj = json!({"apiVersion": format!("{}/v1", k.group), "kind": k.kind,
+                "metadata": {"name": "x"}, "spec": {"rules": []}});
+            if k.namespaced {
+                obj["metadata"]["namespace"] = json!("ns");
+            }
+            assert_eq!(set.insert_value(&obj).unwrap(), 1, "{k:?}");
+            if k.source != KYVERNO_SOURCE {
+                assert_eq!(source_of_kind(k.group, k.kind), Some(k.source), "{k:?}");
+            }
+        }
     }
 
     #[test]

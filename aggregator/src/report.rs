@@ -34,6 +34,8 @@ pub const LABEL_RESOURCE_VERSION: &str = "audit.kyverno.io/resource.version";
 pub const LABEL_RESOURCE_KIND: &str = "audit.kyverno.io/resource.kind";
 /// Annotation (label before v1.11) carrying the subject name on ephemeral reports.
 pub const ANNOTATION_RESOURCE_NAME: &str = "audit.kyverno.io/resource.name";
+/// Annotation (label before v1.11) carrying the subject namespace on ephemeral reports.
+pub const ANNOTATION_RESOURCE_NAMESPACE: &str = "audit.kyverno.io/resource.namespace";
 
 /// Every report kind the aggregator knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
