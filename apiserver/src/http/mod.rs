@@ -71,6 +71,7 @@ pub fn router(state: AppState) -> Router {
         .route("/apis", get(apis))
         .route("/apis/", get(apis))
         .route("/metrics", get(metrics))
+        .route("/openapi/v2", get(openapi_v2))
         .route("/openapi/v3", get(openapi_index))
         .route("/openapi/v3/", get(openapi_index))
         .route("/openapi/v3/{*path}", get(openapi_document))
@@ -280,6 +281,52 @@ async fn openapi_index(State(state): State<AppState>, request: Request) -> Respo
     axum::Json(openapi::index()).into_response()
 }
 
+async fn openapi_v2(State(state): State<AppState>, request: Request) -> Response {
+    let user = request
+        .extensions()
+        .get::<UserInfo>()
+        .cloned()
+        .unwrap_or_default();
+    if let Err(e) = authorize(&state, &user, &non_resource("/openapi/v2")).await {
+        return e.into_response();
+    }
+    let accept = request
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok());
+    if !openapi::v2_accepts_json(accept) {
+        return ApiError::new(
+            StatusCode::NOT_ACCEPTABLE,
+            "NotAcceptable",
+            format!(
+                "only the following media types are accepted: application/json (got {:?})",
+                accept.unwrap_or("")
+            ),
+        )
+        .into_response();
+    }
+    let (doc, etag) = openapi::v2();
+    let mut response = if request
+        .headers()
+        .get(header::IF_NONE_MATCH)
+        .and_then(|h| h.to_str().ok())
+        .is_some_and(|h| h.split(',').any(|t| t.trim() == etag || t.trim() == "*"))
+    {
+        StatusCode::NOT_MODIFIED.into_response()
+    } else {
+        let mut r = doc.into_response();
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        r
+    };
+    let headers = response.headers_mut();
+    headers.insert(header::ETAG, HeaderValue::from_str(etag).expect("hex etag"));
+    headers.insert(header::VARY, HeaderValue::from_static("Accept"));
+    response
+}
+
 async fn openapi_document(
     State(state): State<AppState>,
     axum::extract::Path(path): axum::extract::Path<String>,
@@ -420,7 +467,10 @@ async fn resource(
             }
             "create" => resources::create(&state, &path, &params, &parts.headers, body).await,
             "update" => resources::update(&state, &path, &params, &parts.headers, body).await,
-            "patch" => resources::patch(&state, &path, &params, &parts.headers, body).await,
+            "patch" => {
+                let force = query.get("force").map(String::as_str);
+                resources::patch(&state, &path, &params, force, &parts.headers, body).await
+            }
             "delete" => resources::delete(&state, &path, &params, &parts.headers, body).await,
             _ => resources::delete_collection(&state, &path, &params, &parts.headers, body).await,
         }

@@ -1,12 +1,17 @@
 //! Server-side object semantics for writes (pure): type checks, schema validation, name rules,
-//! server-authoritative metadata, generation bumps and optimistic concurrency.
+//! server-authoritative metadata, generation bumps, optimistic concurrency, and field ownership
+//! (`managedFields`) and server-side apply through [`crate::fieldmanager`].
 
 use reports_server_crds::ResourceDescriptor;
 use serde_json::{Map, Value, json};
 
 use super::request::{ResourcePath, is_dns_subdomain};
 use super::status::ApiError;
+use crate::fieldmanager::{self, ApplyPlan, FieldManagerError, KindSchema, Writer, track_update};
 use crate::store::Mutation;
+
+/// The field manager of writes the server makes on its own behalf (the in-process aggregator).
+pub const INTERNAL_MANAGER: &str = "reports-server";
 
 /// Fields of `metadata` only the server sets.
 const SERVER_FIELDS: [&str; 6] = [
@@ -215,11 +220,22 @@ fn random_suffix() -> String {
 }
 
 /// Prepares an object for creation: resolves `generateName`, validates the name and sets the
-/// server-owned metadata. Returns the object and its name.
+/// server-owned metadata. Returns the object and its name. The server itself is the field
+/// manager; requests use [`prepare_create_as`].
 pub fn prepare_create(
     path: &ResourcePath,
     object: Value,
     validation: &Validation,
+) -> Result<(Value, String, Vec<String>), ApiError> {
+    prepare_create_as(path, object, validation, INTERNAL_MANAGER)
+}
+
+/// [`prepare_create`] on behalf of field manager `manager`, who then owns every field.
+pub fn prepare_create_as(
+    path: &ResourcePath,
+    object: Value,
+    validation: &Validation,
+    manager: &str,
 ) -> Result<(Value, String, Vec<String>), ApiError> {
     let desc = path.resource;
     let (mut object, warnings) = check_and_normalize(path, object, validation)?;
@@ -250,21 +266,46 @@ pub fn prepare_create(
         name = format!("{prefix}{}", random_suffix());
     }
     validate_name(desc, &name)?;
+    stamp_new(meta, &name);
+    let (now, api_version) = (now_rfc3339(), desc.api_version());
+    track_update(
+        KindSchema::of(desc),
+        None,
+        &mut object,
+        &writer(&api_version, manager, &now),
+    );
+    Ok((object, name, warnings))
+}
+
+/// The server-owned metadata of a new object.
+fn stamp_new(meta: &mut Map<String, Value>, name: &str) {
     for f in SERVER_FIELDS {
         meta.remove(f);
     }
-    meta.remove("managedFields");
+    meta.remove("resourceVersion");
     meta.insert("name".into(), json!(name));
     meta.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
     meta.insert("creationTimestamp".into(), json!(now_rfc3339()));
     meta.insert("generation".into(), json!(1));
+    drop_empty_labels(meta);
+}
+
+fn drop_empty_labels(meta: &mut Map<String, Value>) {
     if meta
         .get("labels")
         .is_some_and(|l| l.as_object().is_some_and(|m| m.is_empty()))
     {
         meta.remove("labels");
     }
-    Ok((object, name, warnings))
+}
+
+/// Every served kind has one version, so a request's `apiVersion` is the kind's.
+fn writer<'a>(api_version: &'a str, manager: &'a str, now: &'a str) -> Writer<'a> {
+    Writer {
+        manager,
+        api_version,
+        now,
+    }
 }
 
 /// Everything but the metadata: what a generation bump looks at.
@@ -277,7 +318,8 @@ fn content(object: &Value) -> Map<String, Value> {
 }
 
 /// Decides an update of `current` to `desired` (a PUT body or a patched object): optimistic
-/// concurrency, server-owned metadata, generation bump, finalizer-driven deletion.
+/// concurrency, server-owned metadata, generation bump, finalizer-driven deletion. The server
+/// itself is the field manager; requests use [`decide_update_as`].
 pub fn decide_update(
     path: &ResourcePath,
     name: &str,
@@ -285,10 +327,42 @@ pub fn decide_update(
     desired: Value,
     validation: &Validation,
 ) -> Result<(Mutation, Value, Vec<String>), ApiError> {
+    decide_update_as(path, name, current, desired, validation, INTERNAL_MANAGER)
+}
+
+/// [`decide_update`] on behalf of field manager `manager`, who then owns what it changed.
+pub fn decide_update_as(
+    path: &ResourcePath,
+    name: &str,
+    current: Option<Value>,
+    desired: Value,
+    validation: &Validation,
+    manager: &str,
+) -> Result<(Mutation, Value, Vec<String>), ApiError> {
     let desc = path.resource;
     let current = current.ok_or_else(|| ApiError::not_found(desc, name))?;
     let (mut desired, warnings) = check_and_normalize(path, desired, validation)?;
-    let body_name = name_of(&desired);
+    check_update(path, name, &current, &mut desired)?;
+    let (now, api_version) = (now_rfc3339(), desc.api_version());
+    track_update(
+        KindSchema::of(desc),
+        Some(&current),
+        &mut desired,
+        &writer(&api_version, manager, &now),
+    );
+    let (mutation, object) = conclude_update(current, desired);
+    Ok((mutation, object, warnings))
+}
+
+/// Name, optimistic concurrency and UID checks of an update; restores server-owned metadata.
+fn check_update(
+    path: &ResourcePath,
+    name: &str,
+    current: &Value,
+    desired: &mut Value,
+) -> Result<(), ApiError> {
+    let desc = path.resource;
+    let body_name = name_of(desired);
     if body_name.is_empty() {
         desired["metadata"]["name"] = json!(name);
     } else if body_name != name {
@@ -344,13 +418,13 @@ pub fn decide_update(
             None => meta.remove(f),
         };
     }
-    meta.remove("managedFields");
-    if meta
-        .get("labels")
-        .is_some_and(|l| l.as_object().is_some_and(|m| m.is_empty()))
-    {
-        meta.remove("labels");
-    }
+    drop_empty_labels(meta);
+    Ok(())
+}
+
+/// Generation bump on content changes, deletion once a terminating object has no finalizers
+/// left, and no write at all when nothing changed.
+fn conclude_update(current: Value, mut desired: Value) -> (Mutation, Value) {
     if content(&desired) != content(&current) {
         let generation = current["metadata"]["generation"].as_i64().unwrap_or(1);
         desired["metadata"]["generation"] = json!(generation + 1);
@@ -360,12 +434,174 @@ pub fn decide_update(
         .as_array()
         .is_none_or(Vec::is_empty);
     if terminating && no_finalizers {
-        return Ok((Mutation::Delete, desired, warnings));
+        return (Mutation::Delete, desired);
     }
     if desired == current {
-        return Ok((Mutation::Unchanged, current, warnings));
+        return (Mutation::Unchanged, current);
     }
-    Ok((Mutation::Put(desired.clone()), desired, warnings))
+    (Mutation::Put(desired.clone()), desired)
+}
+
+/// `group/version, Kind=kind` as Go prints a GroupVersionKind.
+fn gvk_string(api_version: &str, kind: &str) -> String {
+    let (group, version) = match api_version.split_once('/') {
+        Some((g, v)) => (g, v),
+        None => ("", api_version),
+    };
+    format!("{group}/{version}, Kind={kind}")
+}
+
+fn apply_error(desc: &ResourceDescriptor, name: &str, e: FieldManagerError) -> ApiError {
+    match &e {
+        FieldManagerError::Conflicts(conflicts) => {
+            ApiError::new(axum::http::StatusCode::CONFLICT, "Conflict", e.to_string()).with_details(
+                json!({
+                    "causes": conflicts.iter().map(|c| json!({
+                        "reason": "FieldManagerConflict",
+                        "message": format!("conflict with {}", c.manager),
+                        "field": c.field,
+                    })).collect::<Vec<_>>()
+                }),
+            )
+        }
+        FieldManagerError::InvalidConfig(m) => ApiError::invalid(
+            desc,
+            name,
+            vec![(
+                String::new(),
+                format!("failed to merge the applied configuration: {m}"),
+                "FieldValueInvalid",
+            )],
+        ),
+        FieldManagerError::CorruptManagedFields(_) => ApiError::internal(e.to_string()),
+    }
+}
+
+/// Decides a server-side apply of `config` (the decoded `application/apply-patch+yaml` body)
+/// by field manager `manager`: creates the object when `current` is `None`, otherwise merges
+/// the configuration into it. Conflicts with other managers are a 409 unless `force`.
+pub fn decide_apply(
+    path: &ResourcePath,
+    name: &str,
+    current: Option<Value>,
+    config: Value,
+    validation: &Validation,
+    manager: &str,
+    force: bool,
+) -> Result<(Mutation, Vec<String>), ApiError> {
+    let desc = path.resource;
+    let api_version = desc.api_version();
+    let mut config = match config {
+        Value::Null => Value::Object(Map::new()),
+        c @ Value::Object(_) => c,
+        _ => {
+            return Err(ApiError::bad_request(format!(
+                "the request body must be a {} object",
+                desc.kind
+            )));
+        }
+    };
+    // Only this kind at this version can be applied here; nothing is filled in.
+    let sent_version = config["apiVersion"].as_str().unwrap_or("");
+    let sent_kind = config["kind"].as_str().unwrap_or("");
+    if sent_version != api_version || sent_kind != desc.kind {
+        return Err(ApiError::bad_request(format!(
+            "invalid object type: {}",
+            gvk_string(sent_version, sent_kind)
+        )));
+    }
+    let meta = config
+        .as_object_mut()
+        .expect("checked above")
+        .entry("metadata")
+        .or_insert_with(|| Value::Object(Map::new()));
+    let Some(meta) = meta.as_object_mut() else {
+        return Err(ApiError::invalid(
+            desc,
+            name,
+            vec![(
+                "metadata".into(),
+                "must be an object".into(),
+                "FieldValueInvalid",
+            )],
+        ));
+    };
+    if meta.get("managedFields").is_some_and(|m| !m.is_null()) {
+        return Err(ApiError::bad_request("metadata.managedFields must be nil"));
+    }
+    match meta.get("name").and_then(Value::as_str).unwrap_or("") {
+        "" if current.is_some() => {
+            meta.insert("name".into(), json!(name));
+        }
+        body if body != name => {
+            return Err(ApiError::bad_request(format!(
+                "the name of the object ({body}) does not match the name on the URL ({name})"
+            )));
+        }
+        _ => {}
+    }
+    match (
+        &path.namespace,
+        meta.get("namespace").and_then(Value::as_str),
+    ) {
+        (Some(url), Some(body)) if !body.is_empty() && body != url => {
+            return Err(ApiError::bad_request(
+                "the namespace of the provided object does not match the namespace sent on the request",
+            ));
+        }
+        (Some(url), _) => {
+            meta.insert("namespace".into(), json!(url));
+        }
+        (None, _) => {
+            meta.remove("namespace");
+        }
+    }
+    let kind = KindSchema::of(desc);
+    let warnings = validation.judge(kind.prune_unknown(&mut config))?;
+    if current.is_none()
+        && let Some(uid) = config["metadata"]["uid"].as_str().filter(|u| !u.is_empty())
+    {
+        return Err(ApiError::conflict(
+            desc,
+            name,
+            &format!(
+                "uid mismatch: the provided object specified uid {uid}, and no existing object was found"
+            ),
+        ));
+    }
+    let now = now_rfc3339();
+    let empty = fieldmanager::empty_object(&api_version, desc.kind);
+    let plan = ApplyPlan::begin(
+        kind,
+        current.as_ref(),
+        &empty,
+        &config,
+        &writer(&api_version, manager, &now),
+    )
+    .map_err(|e| apply_error(desc, name, e))?;
+    let merged = check_and_prune(path, plan.merged().clone())?;
+    match current {
+        None => {
+            let mut object = merged;
+            validate_name(desc, name)?;
+            let meta = object["metadata"]
+                .as_object_mut()
+                .expect("normalized objects have metadata");
+            stamp_new(meta, name);
+            let object = plan
+                .finish(object, force)
+                .map_err(|e| apply_error(desc, name, e))?;
+            Ok((Mutation::Put(object), warnings))
+        }
+        Some(current) => {
+            let mut desired = merged;
+            check_update(path, name, &current, &mut desired)?;
+            let desired = plan
+                .finish(desired, force)
+                .map_err(|e| apply_error(desc, name, e))?;
+            Ok((conclude_update(current, desired).0, warnings))
+        }
+    }
 }
 
 /// Delete preconditions from a `DeleteOptions` body.
@@ -616,6 +852,288 @@ mod tests {
             decide_update(&p, "x", None, current, &V).unwrap_err().code,
             404
         );
+    }
+
+    fn apply_config(extra: Value) -> Value {
+        let mut c = json!({"apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
+            "metadata": {"name": "x", "namespace": "ns"}});
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    fn stored(m: Mutation) -> Value {
+        let Mutation::Put(mut o) = m else {
+            panic!("expected a write")
+        };
+        o["metadata"]["resourceVersion"] = json!("7");
+        o
+    }
+
+    #[test]
+    fn apply_creates_with_server_metadata_and_an_apply_entry() {
+        let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x");
+        let c = apply_config(
+            json!({"summary": {"pass": 1}, "metadata": {"name": "x", "resourceVersion": "3"}}),
+        );
+        let (m, warnings) = decide_apply(&p, "x", None, c, &V, "kubectl", false).unwrap();
+        assert!(warnings.is_empty());
+        let obj = stored(m);
+        assert_eq!(obj["metadata"]["generation"], 1);
+        assert_eq!(obj["metadata"]["namespace"], "ns");
+        assert!(
+            obj["metadata"]["uid"]
+                .as_str()
+                .is_some_and(|u| u.len() == 36)
+        );
+        assert!(obj["metadata"]["creationTimestamp"].is_string());
+        let mf = &obj["metadata"]["managedFields"];
+        assert_eq!(mf.as_array().unwrap().len(), 1, "{mf}");
+        assert_eq!(mf[0]["manager"], "kubectl");
+        assert_eq!(mf[0]["operation"], "Apply");
+        assert_eq!(mf[0]["apiVersion"], "wgpolicyk8s.io/v1alpha2");
+        assert_eq!(mf[0]["fieldsType"], "FieldsV1");
+        assert_eq!(mf[0]["fieldsV1"], json!({"f:summary": {"f:pass": {}}}));
+    }
+
+    #[test]
+    fn apply_rejects_what_kube_apiserver_rejects() {
+        let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x");
+        let apply = |c: Value| decide_apply(&p, "x", None, c, &V, "m", false).unwrap_err();
+        let mut wrong = apply_config(json!({}));
+        wrong["kind"] = json!("ClusterPolicyReport");
+        let e = apply(wrong);
+        assert_eq!(
+            (e.code.as_u16(), e.message.as_str()),
+            (
+                400,
+                "invalid object type: wgpolicyk8s.io/v1alpha2, Kind=ClusterPolicyReport"
+            )
+        );
+        let e = apply(json!({"metadata": {"name": "x"}}));
+        assert_eq!(e.message, "invalid object type: /, Kind=");
+        let e = apply(apply_config(
+            json!({"metadata": {"name": "x", "managedFields": []}}),
+        ));
+        assert_eq!(
+            (e.code.as_u16(), e.message.as_str()),
+            (400, "metadata.managedFields must be nil")
+        );
+        let e = apply(apply_config(json!({"metadata": {"name": "y"}})));
+        assert_eq!(
+            e.message,
+            "the name of the object (y) does not match the name on the URL (x)"
+        );
+        let e = apply(apply_config(json!({"metadata": {}})));
+        assert_eq!(e.code.as_u16(), 400, "a create needs the name");
+        let e = apply(apply_config(
+            json!({"metadata": {"name": "x", "namespace": "other"}}),
+        ));
+        assert_eq!(e.code.as_u16(), 400);
+        let e = apply(apply_config(
+            json!({"metadata": {"name": "x", "uid": "abc"}}),
+        ));
+        assert_eq!(e.code.as_u16(), 409);
+        assert!(e.message.contains("uid mismatch"), "{}", e.message);
+        let e = apply(apply_config(
+            json!({"results": [{"policy": "p", "result": "maybe"}]}),
+        ));
+        assert_eq!(e.code.as_u16(), 422);
+        let strict = Validation {
+            mode: FieldValidation::Strict,
+            duplicates: Vec::new(),
+        };
+        let e = decide_apply(
+            &p,
+            "x",
+            None,
+            apply_config(json!({"summry": {}})),
+            &strict,
+            "m",
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(
+            (e.code.as_u16(), e.message.as_str()),
+            (400, "strict decoding error: unknown field \"summry\"")
+        );
+        let (_, warnings) = decide_apply(
+            &p,
+            "x",
+            None,
+            apply_config(json!({"summry": {}})),
+            &V,
+            "m",
+            false,
+        )
+        .unwrap();
+        assert_eq!(warnings, ["unknown field \"summry\""]);
+    }
+
+    #[test]
+    fn apply_updates_with_conflicts_concurrency_and_generation() {
+        let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x");
+        let created = stored(
+            decide_apply(
+                &p,
+                "x",
+                None,
+                apply_config(json!({"summary": {"pass": 1}})),
+                &V,
+                "a",
+                false,
+            )
+            .unwrap()
+            .0,
+        );
+        // Same configuration again: nothing to write.
+        let (m, _) = decide_apply(
+            &p,
+            "x",
+            Some(created.clone()),
+            apply_config(json!({"summary": {"pass": 1}})),
+            &V,
+            "a",
+            false,
+        )
+        .unwrap();
+        assert!(matches!(m, Mutation::Unchanged));
+        // Another manager changing the field: 409 with a FieldManagerConflict cause.
+        let e = decide_apply(
+            &p,
+            "x",
+            Some(created.clone()),
+            apply_config(json!({"summary": {"pass": 2}})),
+            &V,
+            "b",
+            false,
+        )
+        .unwrap_err();
+        assert_eq!((e.code.as_u16(), e.reason), (409, "Conflict"));
+        assert_eq!(
+            e.message,
+            "Apply failed with 1 conflict: conflict with \"a\": .summary.pass"
+        );
+        let details = e.details.unwrap();
+        assert_eq!(
+            details["causes"][0],
+            json!({"reason": "FieldManagerConflict", "message": "conflict with \"a\"", "field": ".summary.pass"})
+        );
+        // Forced: content change bumps the generation.
+        let forced = stored(
+            decide_apply(
+                &p,
+                "x",
+                Some(created.clone()),
+                apply_config(json!({"summary": {"pass": 2}})),
+                &V,
+                "b",
+                true,
+            )
+            .unwrap()
+            .0,
+        );
+        assert_eq!(forced["metadata"]["generation"], 2);
+        assert_eq!(forced["metadata"]["uid"], created["metadata"]["uid"]);
+        // Labels only: same generation.
+        let relabelled = stored(
+            decide_apply(
+                &p,
+                "x",
+                Some(forced.clone()),
+                apply_config(json!({"metadata": {"name": "x", "labels": {"l": "v"}}})),
+                &V,
+                "c",
+                false,
+            )
+            .unwrap()
+            .0,
+        );
+        assert_eq!(relabelled["metadata"]["generation"], 2);
+        // A stale resourceVersion in the configuration: 409; the current one: fine.
+        let stale = apply_config(
+            json!({"metadata": {"name": "x", "resourceVersion": "1"}, "summary": {"pass": 2}}),
+        );
+        assert_eq!(
+            decide_apply(&p, "x", Some(relabelled.clone()), stale, &V, "b", false)
+                .unwrap_err()
+                .code
+                .as_u16(),
+            409
+        );
+        let fresh = apply_config(
+            json!({"metadata": {"name": "x", "resourceVersion": "7"}, "summary": {"pass": 2}}),
+        );
+        assert!(decide_apply(&p, "x", Some(relabelled), fresh, &V, "b", false).is_ok());
+    }
+
+    #[test]
+    fn apply_merges_partial_configurations_of_ephemeral_reports() {
+        let p = path("reports.kyverno.io/v1/namespaces/ns/ephemeralreports/e");
+        let owner = json!({"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "u"});
+        let full = json!({"apiVersion": "reports.kyverno.io/v1", "kind": "EphemeralReport", "metadata": {"name": "e"},
+            "spec": {"owner": owner, "summary": {"pass": 1}}});
+        let created = stored(
+            decide_apply(&p, "e", None, full, &V, "kyverno", false)
+                .unwrap()
+                .0,
+        );
+        let partial = json!({"apiVersion": "reports.kyverno.io/v1", "kind": "EphemeralReport", "metadata": {"name": "e"},
+            "spec": {"summary": {"fail": 1}}});
+        let updated = stored(
+            decide_apply(&p, "e", Some(created), partial, &V, "other", false)
+                .unwrap()
+                .0,
+        );
+        assert_eq!(updated["spec"]["owner"], owner);
+        assert_eq!(updated["spec"]["summary"], json!({"pass": 1, "fail": 1}));
+    }
+
+    #[test]
+    fn writes_record_their_field_manager() {
+        let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x");
+        let (created, _, _) = prepare_create_as(
+            &p,
+            json!({"metadata": {"name": "x"}, "summary": {"pass": 1}}),
+            &V,
+            "kubectl-create",
+        )
+        .unwrap();
+        assert_eq!(
+            created["metadata"]["managedFields"][0]["manager"],
+            "kubectl-create"
+        );
+        assert_eq!(
+            created["metadata"]["managedFields"][0]["operation"],
+            "Update"
+        );
+        let mut current = created.clone();
+        current["metadata"]["resourceVersion"] = json!("5");
+        let mut put = current.clone();
+        put["summary"]["pass"] = json!(2);
+        let (_, out, _) =
+            decide_update_as(&p, "x", Some(current.clone()), put, &V, "editor").unwrap();
+        let managers: Vec<&str> = out["metadata"]["managedFields"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["manager"].as_str().unwrap())
+            .collect();
+        assert_eq!(managers.len(), 2);
+        assert!(managers.contains(&"editor"));
+        // A body without managedFields keeps the stored ones; a no-op stays a no-op.
+        let mut bare = current.clone();
+        bare["metadata"]
+            .as_object_mut()
+            .unwrap()
+            .remove("managedFields");
+        assert!(matches!(
+            decide_update_as(&p, "x", Some(current), bare, &V, "editor")
+                .unwrap()
+                .0,
+            Mutation::Unchanged
+        ));
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! OpenAPI v3 documents (`/openapi/v3` and `/openapi/v3/apis/{group}/{version}`), generated from
-//! the same schemas as the CRDs, so `kubectl explain`, client-side validation and
-//! `kubectl apply --server-side` see exactly what they would see for CRD-backed kinds.
-//! `/openapi/v2` answers 404, which kube-aggregator and kubectl treat as "no v2 spec".
+//! OpenAPI v3 documents (`/openapi/v3` and `/openapi/v3/apis/{group}/{version}`) and the
+//! Swagger 2.0 document (`/openapi/v2`), generated from the same schemas as the CRDs, so
+//! `kubectl explain`, client-side validation and `kubectl apply --server-side` see exactly what
+//! they would see for CRD-backed kinds, and kube-aggregator can merge our definitions into the
+//! cluster's v2 spec as it does for every aggregated API server.
 
 use std::sync::OnceLock;
 
@@ -186,9 +187,248 @@ pub fn document(path: &str) -> Option<(&'static str, &'static str)> {
         .map(|(_, d, h)| (d.as_str(), h.as_str()))
 }
 
+const V2_REF_PREFIX: &str = "#/definitions/";
+
+/// A v3 schema in Swagger 2.0 terms: `#/definitions/` references, no `nullable` (v2 has no
+/// null) and no `anyOf`/`oneOf` around a single non-null alternative.
+fn v2_schema(v: &Value) -> Value {
+    match v {
+        Value::Object(map) => {
+            let mut out = Map::new();
+            for (k, child) in map {
+                match k.as_str() {
+                    "nullable" => {}
+                    "$ref" => {
+                        let target = child.as_str().unwrap_or_default();
+                        let name = target.strip_prefix(REF_PREFIX).unwrap_or(target);
+                        out.insert(k.clone(), json!(format!("{V2_REF_PREFIX}{name}")));
+                    }
+                    "anyOf" | "oneOf" => {
+                        let alternatives: Vec<&Value> = child
+                            .as_array()
+                            .map(|a| {
+                                a.iter()
+                                    .filter(|s| {
+                                        s.get("type").and_then(Value::as_str) != Some("null")
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        if let [only] = alternatives.as_slice()
+                            && let Value::Object(inner) = v2_schema(only)
+                        {
+                            for (ik, iv) in inner {
+                                out.entry(ik).or_insert(iv);
+                            }
+                        }
+                    }
+                    "type" => {
+                        let ty = match child {
+                            Value::Array(types) => types
+                                .iter()
+                                .find(|t| t.as_str() != Some("null"))
+                                .cloned()
+                                .unwrap_or(json!("object")),
+                            other => other.clone(),
+                        };
+                        out.insert(k.clone(), ty);
+                    }
+                    _ => {
+                        out.insert(k.clone(), v2_schema(child));
+                    }
+                }
+            }
+            Value::Object(out)
+        }
+        Value::Array(items) => Value::Array(items.iter().map(v2_schema).collect()),
+        other => other.clone(),
+    }
+}
+
+/// A v3 operation as a Swagger 2.0 operation: query parameters with inline types, a body
+/// parameter for writes, responses with `schema` instead of `content`.
+fn v2_operation(method: &str, op: &Value) -> Value {
+    let mut out = op.clone();
+    let mut params: Vec<Value> = op["parameters"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .map(|p| {
+                    json!({
+                        "name": p["name"],
+                        "in": p["in"],
+                        "type": p["schema"]["type"],
+                        "uniqueItems": true,
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let schema_ref = op["responses"]["200"]["content"]["application/json"]["schema"].clone();
+    let schema = v2_schema(&schema_ref);
+    let (consumes, body) = match method {
+        "post" | "put" => (json!(["*/*"]), Some(schema.clone())),
+        "patch" => (
+            json!([
+                "application/json-patch+json",
+                "application/merge-patch+json",
+                "application/apply-patch+yaml"
+            ]),
+            Some(
+                json!({"type": "object", "description": "Patch is provided to give a concrete name and type to the Kubernetes PATCH request body."}),
+            ),
+        ),
+        _ => (json!(["*/*"]), None),
+    };
+    if let Some(body) = body {
+        params.insert(
+            0,
+            json!({"name": "body", "in": "body", "required": true, "schema": body}),
+        );
+    }
+    out["parameters"] = Value::Array(params);
+    out["consumes"] = consumes;
+    out["produces"] = json!(["application/json", "application/yaml"]);
+    out["schemes"] = json!(["https"]);
+    let mut responses = json!({"200": {"description": "OK", "schema": schema}});
+    if method == "post" || (method == "patch") {
+        responses["201"] = json!({"description": "Created", "schema": schema});
+    }
+    responses["401"] = json!({"description": "Unauthorized"});
+    out["responses"] = responses;
+    out
+}
+
+/// The Swagger 2.0 document of every served kind (`/openapi/v2`): `definitions` with
+/// `x-kubernetes-group-version-kind` for the kinds and their lists, and the paths.
+pub fn v2_document() -> Value {
+    let mut definitions = Map::new();
+    let mut paths = Map::new();
+    for (g, v) in GROUP_VERSIONS {
+        let doc = group_version_document(g, v).expect("served group-version");
+        if let Some(schemas) = doc["components"]["schemas"].as_object() {
+            for (name, schema) in schemas {
+                definitions.insert(name.clone(), v2_schema(schema));
+            }
+        }
+        if let Some(items) = doc["paths"].as_object() {
+            for (p, item) in items {
+                let mut v2_item = Map::new();
+                if let Some(ops) = item.as_object() {
+                    for (method, op) in ops {
+                        v2_item.insert(method.clone(), v2_operation(method, op));
+                    }
+                }
+                let path_params: Vec<Value> = ["namespace", "name"]
+                    .iter()
+                    .filter(|n| p.contains(&format!("{{{n}}}")))
+                    .map(|n| json!({"name": n, "in": "path", "required": true, "type": "string", "uniqueItems": true}))
+                    .collect();
+                if !path_params.is_empty() {
+                    v2_item.insert("parameters".into(), Value::Array(path_params));
+                }
+                paths.insert(p.clone(), Value::Object(v2_item));
+            }
+        }
+    }
+    json!({
+        "swagger": "2.0",
+        "info": {"title": "reports-server", "version": env!("CARGO_PKG_VERSION")},
+        "paths": paths,
+        "definitions": definitions,
+    })
+}
+
+/// The serialized `/openapi/v2` document and its ETag (quoted, as kube-apiserver sends it).
+pub fn v2() -> (&'static str, &'static str) {
+    static DOC: OnceLock<(String, String)> = OnceLock::new();
+    let (doc, etag) = DOC.get_or_init(|| {
+        let doc = v2_document().to_string();
+        let hash = hex::encode(&Sha256::digest(doc.as_bytes())[..16]).to_uppercase();
+        (doc, format!("\"{hash}\""))
+    });
+    (doc.as_str(), etag.as_str())
+}
+
+/// Whether an `Accept` header admits JSON: kube-aggregator and client-go ask for
+/// `application/com.github.proto-openapi.spec.v2@v1.0+protobuf` first and JSON second; the
+/// protobuf encoding is not served, so only JSON (or a wildcard) with a non-zero q will do.
+pub fn v2_accepts_json(accept: Option<&str>) -> bool {
+    let Some(accept) = accept.map(str::trim).filter(|a| !a.is_empty()) else {
+        return true;
+    };
+    accept.split(',').any(|range| {
+        let mut parts = range.split(';');
+        let media = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+        let q = parts
+            .filter_map(|p| p.trim().strip_prefix("q="))
+            .find_map(|q| q.trim().parse::<f32>().ok())
+            .unwrap_or(1.0);
+        q > 0.0 && matches!(media.as_str(), "application/json" | "application/*" | "*/*")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn v2_is_swagger_with_every_kind_and_list() {
+        let (text, etag) = v2();
+        assert!(etag.starts_with('"') && etag.ends_with('"') && etag.len() == 34);
+        let doc: Value = serde_json::from_str(text).expect("valid JSON");
+        assert_eq!(doc["swagger"], "2.0");
+        let defs = doc["definitions"].as_object().unwrap();
+        for d in &reports_server_crds::catalog::ALL {
+            for kind in [d.kind, d.list_kind] {
+                let def = &defs[&schema_name(d, kind)];
+                assert_eq!(
+                    def["x-kubernetes-group-version-kind"][0],
+                    json!({"group": d.group, "version": d.version, "kind": kind}),
+                    "{kind}"
+                );
+            }
+        }
+        for banned in ["#/components/", "\"nullable\"", "\"anyOf\"", "\"oneOf\""] {
+            assert!(!text.contains(banned), "{banned} left in the v2 document");
+        }
+        for (i, _) in text.match_indices(V2_REF_PREFIX) {
+            let name: String = text[i + V2_REF_PREFIX.len()..]
+                .chars()
+                .take_while(|c| *c != '"')
+                .collect();
+            assert!(defs.contains_key(&name), "unresolved $ref {name}");
+        }
+        let patch = &doc["paths"]["/apis/wgpolicyk8s.io/v1alpha2/namespaces/{namespace}/policyreports/{name}"]
+            ["patch"];
+        assert!(
+            patch["consumes"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("application/apply-patch+yaml"))
+        );
+        assert_eq!(
+            patch["responses"]["200"]["schema"]["$ref"],
+            "#/definitions/io.wgpolicyk8s.v1alpha2.PolicyReport"
+        );
+    }
+
+    #[test]
+    fn v2_accept_negotiation() {
+        assert!(v2_accepts_json(None));
+        assert!(v2_accepts_json(Some(
+            "application/com.github.proto-openapi.spec.v2@v1.0+protobuf, application/json"
+        )));
+        assert!(v2_accepts_json(Some(
+            "application/com.github.proto-openapi.spec.v2.v1.0+protobuf;q=1, */*;q=0.5"
+        )));
+        assert!(!v2_accepts_json(Some(
+            "application/com.github.proto-openapi.spec.v2@v1.0+protobuf"
+        )));
+        assert!(!v2_accepts_json(Some(
+            "application/json;q=0, application/com.github.proto-openapi.spec.v2@v1.0+protobuf"
+        )));
+    }
 
     #[test]
     fn documents_carry_gvk_and_resolvable_refs() {

@@ -9,13 +9,15 @@ use serde_json::{Value, json};
 use super::AppState;
 use super::negotiate::{Encoding, Negotiated, Representation, Target, negotiate};
 use super::objects::{
-    DeletePreconditions, FieldValidation, Validation, decide_delete, decide_update, prepare_create,
+    DeletePreconditions, FieldValidation, Validation, decide_apply, decide_delete,
+    decide_update_as, prepare_create_as,
 };
 use super::request::{Params, ResourcePath, decode_body};
 use super::status::ApiError;
 use super::table::{self, IncludeObject};
 use crate::continuation::{ContinueToken, TokenError, query_fingerprint};
-use crate::store::{ListQuery, ListRow, Mutation, Store};
+use crate::fieldmanager;
+use crate::store::{EventType, ListQuery, ListRow, Mutation, Store, StoreError};
 
 pub fn accept(headers: &HeaderMap, target: Target) -> Result<Negotiated, ApiError> {
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
@@ -335,6 +337,63 @@ fn content_type(headers: &HeaderMap) -> Option<&str> {
         .and_then(|v| v.to_str().ok())
 }
 
+/// A 422 about request options (`CreateOptions`, `UpdateOptions`, `PatchOptions`), worded as
+/// kube-apiserver words it.
+fn invalid_options(options: &str, causes: Vec<(&str, String, &'static str)>) -> ApiError {
+    let summary: Vec<String> = causes
+        .iter()
+        .map(|(field, message, _)| format!("{field}: {message}"))
+        .collect();
+    ApiError::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "Invalid",
+        format!(
+            "{options}.meta.k8s.io \"\" is invalid: {}",
+            summary.join(", ")
+        ),
+    )
+    .with_details(json!({
+        "group": "meta.k8s.io",
+        "kind": options,
+        "causes": causes.iter().map(|(field, message, reason)| json!({"reason": reason, "message": message, "field": field})).collect::<Vec<_>>(),
+    }))
+}
+
+/// The write's field manager: the `fieldManager` parameter (validated), else derived from the
+/// `User-Agent`. Server-side apply requires the parameter.
+fn field_manager(
+    params: &Params,
+    headers: &HeaderMap,
+    options: &str,
+    mut causes: Vec<(&'static str, String, &'static str)>,
+    apply: bool,
+) -> Result<String, ApiError> {
+    let sent = params.field_manager.as_deref().unwrap_or("");
+    if apply && sent.is_empty() {
+        causes.insert(
+            0,
+            (
+                "fieldManager",
+                "Required value: is required for apply patch".into(),
+                "FieldValueRequired",
+            ),
+        );
+    }
+    for (message, reason) in fieldmanager::validate_manager(sent) {
+        causes.push(("fieldManager", message, reason));
+    }
+    if !causes.is_empty() {
+        return Err(invalid_options(options, causes));
+    }
+    if !sent.is_empty() {
+        return Ok(sent.to_owned());
+    }
+    let agent = headers
+        .get(header::USER_AGENT)
+        .and_then(|v| v.to_str().ok());
+    Ok(fieldmanager::manager_from_user_agent(agent))
+}
+
 pub async fn create(
     state: &AppState,
     path: &ResourcePath,
@@ -343,9 +402,10 @@ pub async fn create(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
+    let manager = field_manager(params, headers, "CreateOptions", Vec::new(), false)?;
     let object = decode_body(content_type(headers), &body)?;
     let (object, name, warnings) =
-        prepare_create(path, object, &validation(params, headers, &body))?;
+        prepare_create_as(path, object, &validation(params, headers, &body), &manager)?;
     if let (Some(admission), Some(namespace)) = (&state.admission, &path.namespace) {
         admission.admit_create(namespace).await?;
     }
@@ -392,6 +452,7 @@ pub async fn update(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
+    let manager = field_manager(params, headers, "UpdateOptions", Vec::new(), false)?;
     let desired = decode_body(content_type(headers), &body)?;
     let name = path.name.clone().expect("update has a name");
     let validation = validation(params, headers, &body);
@@ -404,10 +465,12 @@ pub async fn update(
             &name,
             params.dry_run,
             |current| {
-                decide_update(path, &name, current, desired, &validation).map(|(m, _, w)| {
-                    warnings = w;
-                    m
-                })
+                decide_update_as(path, &name, current, desired, &validation, &manager).map(
+                    |(m, _, w)| {
+                        warnings = w;
+                        m
+                    },
+                )
             },
         )
         .await?;
@@ -418,20 +481,34 @@ pub async fn update(
     ))
 }
 
-/// The patch formats CRD storage accepts, minus server-side apply.
+/// The patch formats CRD storage accepts besides server-side apply.
 enum PatchKind {
     Merge,
     Json,
+}
+
+/// `force` of a patch request: Go's `strconv.ParseBool` spellings.
+fn parse_force(force: Option<&str>) -> Result<Option<bool>, ApiError> {
+    match force {
+        None => Ok(None),
+        Some("1" | "t" | "T" | "true" | "TRUE" | "True") => Ok(Some(true)),
+        Some("0" | "f" | "F" | "false" | "FALSE" | "False") => Ok(Some(false)),
+        Some(other) => Err(ApiError::bad_request(format!(
+            "force: invalid boolean {other:?}"
+        ))),
+    }
 }
 
 pub async fn patch(
     state: &AppState,
     path: &ResourcePath,
     params: &Params,
+    force: Option<&str>,
     headers: &HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
+    let force = parse_force(force)?;
     let media = content_type(headers)
         .unwrap_or("")
         .split(';')
@@ -440,6 +517,19 @@ pub async fn patch(
         .trim()
         .to_ascii_lowercase();
     let kind = match media.as_str() {
+        "application/apply-patch+yaml" => {
+            let manager = field_manager(params, headers, "PatchOptions", Vec::new(), true)?;
+            return apply(
+                state,
+                path,
+                params,
+                force.unwrap_or(false),
+                &manager,
+                n,
+                body,
+            )
+            .await;
+        }
         "application/merge-patch+json" => PatchKind::Merge,
         "application/json-patch+json" => PatchKind::Json,
         "application/strategic-merge-patch+json" => {
@@ -449,8 +539,25 @@ pub async fn patch(
                 "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json (strategic merge patch is not supported for custom resources; use a merge patch)",
             ));
         }
+        "application/apply-patch+cbor" => {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "UnsupportedMediaType",
+                "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (CBOR is not supported)",
+            ));
+        }
         other => return Err(ApiError::unsupported_media_type(other)),
     };
+    let forbidden = if force.is_some() {
+        vec![(
+            "force",
+            "Forbidden: may not be specified for non-apply patch".to_owned(),
+            "FieldValueForbidden",
+        )]
+    } else {
+        Vec::new()
+    };
+    let manager = field_manager(params, headers, "PatchOptions", forbidden, false)?;
     let patch: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("the patch is not valid JSON: {e}")))?;
     let json_patch: Option<json_patch::Patch> = match kind {
@@ -492,16 +599,125 @@ pub async fn patch(
                     })?,
                     None => json_patch::merge(&mut patched, &patch),
                 }
-                decide_update(path, &name, Some(current), patched, &validation).map(|(m, _, w)| {
-                    warnings = w;
-                    m
-                })
+                decide_update_as(path, &name, Some(current), patched, &validation, &manager).map(
+                    |(m, _, w)| {
+                        warnings = w;
+                        m
+                    },
+                )
             },
         )
         .await?;
     let object = outcome.object.unwrap_or(Value::Null);
     Ok(with_warnings(
         respond_object(StatusCode::OK, path, n, IncludeObject::default(), &object),
+        &warnings,
+    ))
+}
+
+/// An `application/apply-patch+yaml` body: YAML, or JSON (which kubectl and client-go send).
+fn decode_apply_body(body: &[u8]) -> Result<(Value, bool), ApiError> {
+    let text = std::str::from_utf8(body)
+        .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?;
+    if text.trim_start().starts_with('{')
+        && let Ok(v) = serde_json::from_str::<Value>(text)
+    {
+        return Ok((v, true));
+    }
+    let v: Value = serde_yaml::from_str(text)
+        .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?;
+    Ok((v, false))
+}
+
+/// Why an apply's decision did not produce a mutation.
+enum ApplyFailure {
+    Api(ApiError),
+    /// The object is missing: a create, which must pass admission first.
+    NeedsAdmission,
+}
+
+impl From<StoreError> for ApplyFailure {
+    fn from(e: StoreError) -> Self {
+        ApplyFailure::Api(e.into())
+    }
+}
+
+/// Server-side apply: creates the object (201) or merges the configuration into it (200).
+async fn apply(
+    state: &AppState,
+    path: &ResourcePath,
+    params: &Params,
+    force: bool,
+    manager: &str,
+    n: Negotiated,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let (config, json) = decode_apply_body(&body)?;
+    let validation = Validation::new(
+        FieldValidation::parse(params.field_validation.as_deref()),
+        json.then_some(&body[..]),
+    );
+    let name = path.name.clone().expect("patch has a name");
+    // Admission (NamespaceLifecycle) runs for creates only, and cannot run under the store's
+    // write lock: admit first when the object looks missing, and start over if it vanished
+    // between the look and the write.
+    let mut admitted = state.admission.is_none() || path.namespace.is_none();
+    let mut warnings = Vec::new();
+    let outcome = loop {
+        if !admitted && let (Some(admission), Some(namespace)) = (&state.admission, &path.namespace)
+        {
+            let exists = state
+                .store
+                .get_object(path.resource, path.object_namespace(), &name)
+                .await?
+                .is_some();
+            if !exists {
+                admission.admit_create(namespace).await?;
+                admitted = true;
+            }
+        }
+        let result = state
+            .store
+            .mutate(
+                path.resource,
+                path.object_namespace(),
+                &name,
+                params.dry_run,
+                |current| {
+                    if current.is_none() && !admitted {
+                        return Err(ApplyFailure::NeedsAdmission);
+                    }
+                    decide_apply(
+                        path,
+                        &name,
+                        current,
+                        config.clone(),
+                        &validation,
+                        manager,
+                        force,
+                    )
+                    .map(|(m, w)| {
+                        warnings = w;
+                        m
+                    })
+                    .map_err(ApplyFailure::Api)
+                },
+            )
+            .await;
+        match result {
+            Ok(outcome) => break outcome,
+            Err(ApplyFailure::Api(e)) => return Err(e),
+            Err(ApplyFailure::NeedsAdmission) => continue,
+        }
+    };
+    let code = if outcome.event == Some(EventType::Added) {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    let object = outcome.object.unwrap_or(Value::Null);
+    Ok(with_warnings(
+        respond_object(code, path, n, IncludeObject::default(), &object),
         &warnings,
     ))
 }
