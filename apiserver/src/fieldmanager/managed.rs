@@ -130,6 +130,7 @@ pub struct Conflict {
     pub manager: String,
     /// The field, as `.summary.pass`.
     pub field: String,
+    pub path: Vec<PathElement>,
 }
 
 /// Kubernetes keeps at most this many Update entries; older ones are folded into one.
@@ -394,6 +395,7 @@ impl ManagedFields {
                 .map(|(manager, path)| Conflict {
                     manager,
                     field: display_path(&path),
+                    path,
                 })
                 .collect());
         }

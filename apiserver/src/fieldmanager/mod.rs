@@ -25,7 +25,7 @@ pub mod walk;
 
 use serde_json::{Map, Value, json};
 
-pub use self::managed::{Conflict, Entry, ManagedFields, Operation};
+pub use self::managed::{BEFORE_FIRST_APPLY, Conflict, Entry, ManagedFields, Operation};
 pub use self::schema::KindSchema;
 
 /// kube-apiserver's limit on field manager names (bytes).
@@ -261,11 +261,59 @@ impl ApplyPlan {
 
     /// Records the apply that produced `new` (the validated merged object): conflicts unless
     /// `force`, ownership moved to the applier, managedFields written into `new`.
-    pub fn finish(mut self, mut new: Value, force: bool) -> Result<Value, FieldManagerError> {
+    ///
+    /// kubectl's own applies (manager `kubectl`) may take over, without `force`, the fields of
+    /// their earlier client-side applies that still hold the values recorded in the
+    /// `kubectl.kubernetes.io/last-applied-configuration` annotation; that annotation then
+    /// follows the applied configuration. This is how kube-apiserver lets `kubectl apply` move
+    /// to `--server-side` without conflicts.
+    pub fn finish(
+        &self,
+        new: Value,
+        config: &Value,
+        force: bool,
+    ) -> Result<Value, FieldManagerError> {
+        match self.record(new.clone(), force) {
+            Err(FieldManagerError::Conflicts(conflicts))
+                if self.manager == KUBECTL && self.last_applied_allows(&conflicts) =>
+            {
+                self.record(new, true)
+            }
+            other => other,
+        }
+        .map(|mut object| {
+            if self.manager == KUBECTL {
+                update_last_applied(&mut object, config);
+            }
+            object
+        })
+    }
+
+    fn last_applied_allows(&self, conflicts: &[Conflict]) -> bool {
+        let Some(text) = self.live["metadata"]["annotations"][LAST_APPLIED].as_str() else {
+            return false;
+        };
+        let Ok(last) = serde_json::from_str::<Value>(text) else {
+            return false;
+        };
+        if !last.is_object() || last["apiVersion"].as_str() != Some(self.api_version.as_str()) {
+            return false;
+        }
+        let shape = &self.kind.shape;
+        let c = walk::compare(&last, &self.live, shape);
+        let allowed = walk::field_set(&last, shape)
+            .difference(&c.modified)
+            .difference(&c.added)
+            .difference(&c.removed);
+        conflicts.iter().all(|c| allowed.contains(&c.path))
+    }
+
+    fn record(&self, mut new: Value, force: bool) -> Result<Value, FieldManagerError> {
         if let Some(meta) = new.get_mut("metadata").and_then(Value::as_object_mut) {
             meta.remove("managedFields");
         }
-        self.managed
+        let mut managed = self.managed.clone();
+        managed
             .record_apply(
                 &self.kind.shape,
                 &self.live,
@@ -277,8 +325,68 @@ impl ApplyPlan {
                 &self.now,
             )
             .map_err(FieldManagerError::Conflicts)?;
-        set_managed_fields(&mut new, &self.managed);
+        set_managed_fields(&mut new, &managed);
         Ok(new)
+    }
+}
+
+/// The manager name kubectl applies with, which kube-apiserver treats specially.
+const KUBECTL: &str = "kubectl";
+/// Client-side `kubectl apply`'s record of what it applied.
+pub const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+/// kube-apiserver's limit on the total size of an object's annotations.
+const MAX_ANNOTATIONS_BYTES: usize = 256 * 1024;
+
+/// JSON with object keys sorted, as Go encodes a map.
+fn sorted_json(v: &Value) -> Value {
+    match v {
+        Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            Value::Object(
+                keys.into_iter()
+                    .map(|k| (k.clone(), sorted_json(&m[k])))
+                    .collect(),
+            )
+        }
+        Value::Array(items) => Value::Array(items.iter().map(sorted_json).collect()),
+        other => other.clone(),
+    }
+}
+
+/// Keeps an existing last-applied-configuration annotation in step with server-side applies,
+/// dropping it when it would push the annotations over their size limit.
+fn update_last_applied(object: &mut Value, config: &Value) {
+    let Some(annotations) = object["metadata"]
+        .get_mut("annotations")
+        .and_then(Value::as_object_mut)
+    else {
+        return;
+    };
+    if annotations
+        .get(LAST_APPLIED)
+        .and_then(Value::as_str)
+        .is_none_or(str::is_empty)
+    {
+        return;
+    }
+    let mut applied = config.clone();
+    if let Some(a) = applied["metadata"]
+        .get_mut("annotations")
+        .and_then(Value::as_object_mut)
+    {
+        a.remove(LAST_APPLIED);
+    }
+    annotations.insert(
+        LAST_APPLIED.into(),
+        json!(sorted_json(&applied).to_string()),
+    );
+    let size: usize = annotations
+        .iter()
+        .map(|(k, v)| k.len() + v.as_str().map_or(0, str::len))
+        .sum();
+    if size > MAX_ANNOTATIONS_BYTES {
+        annotations.remove(LAST_APPLIED);
     }
 }
 

@@ -39,7 +39,7 @@ fn apply_at(
         merged["metadata"]["uid"] = json!("u-1");
         merged["metadata"]["creationTimestamp"] = json!(now);
     }
-    plan.finish(merged, force)
+    plan.finish(merged, config, force)
 }
 
 fn apply(live: Option<&Value>, config: &Value, manager: &str) -> Result<Value, FieldManagerError> {
@@ -161,7 +161,11 @@ fn a_second_manager_conflicts_and_force_takes_the_field() {
         err,
         FieldManagerError::Conflicts(vec![Conflict {
             manager: "\"kubectl\"".into(),
-            field: ".summary.pass".into()
+            field: ".summary.pass".into(),
+            path: vec![
+                fieldset::PathElement::Field("summary".into()),
+                fieldset::PathElement::Field("pass".into())
+            ],
         }])
     );
     assert_eq!(
@@ -423,6 +427,45 @@ fn conflicts_with_several_managers_are_listed_per_manager() {
         err.to_string(),
         "Apply failed with 3 conflicts: conflicts with \"a\":\n- .summary.pass\nconflicts with \"b\":\n- .metadata.labels.x\n- .summary.fail"
     );
+}
+
+#[test]
+fn kubectl_takes_over_its_client_side_apply_fields_without_force() {
+    // `kubectl apply` (client-side) created the object and recorded what it applied.
+    let csa = config(json!({"summary": {"pass": 1, "fail": 0}}));
+    let mut live = csa.clone();
+    live["metadata"]["uid"] = json!("u");
+    live["metadata"]["annotations"] = json!({LAST_APPLIED: csa.to_string()});
+    track_update(
+        kind(),
+        None,
+        &mut live,
+        &writer("kubectl-client-side-apply", "2024-01-01T00:00:00Z"),
+    );
+    let ssa = config(json!({"summary": {"pass": 2, "fail": 0}}));
+    let upgraded = apply(Some(&live), &ssa, "kubectl").unwrap();
+    assert_eq!(upgraded["summary"]["pass"], 2);
+    let recorded: Value = serde_json::from_str(
+        upgraded["metadata"]["annotations"][LAST_APPLIED]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        recorded["summary"]["pass"], 2,
+        "the annotation follows the apply"
+    );
+    // Any other manager still conflicts, and so does kubectl once someone else changed the field.
+    assert!(apply(Some(&live), &ssa, "other").is_err());
+    let mut edited = live.clone();
+    edited["summary"]["pass"] = json!(9);
+    track_update(
+        kind(),
+        Some(&live),
+        &mut edited,
+        &writer("kubectl-client-side-apply", "2024-01-01T00:00:00Z"),
+    );
+    assert!(apply(Some(&edited), &ssa, "kubectl").is_err());
 }
 
 #[test]

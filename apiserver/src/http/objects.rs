@@ -501,6 +501,8 @@ pub fn decide_apply(
             )));
         }
     };
+    // What the client applied, as kubectl's last-applied-configuration records it.
+    let applied = config.clone();
     // Only this kind at this version can be applied here; nothing is filled in.
     let sent_version = config["apiVersion"].as_str().unwrap_or("");
     let sent_kind = config["kind"].as_str().unwrap_or("");
@@ -589,7 +591,7 @@ pub fn decide_apply(
                 .expect("normalized objects have metadata");
             stamp_new(meta, name);
             let object = plan
-                .finish(object, force)
+                .finish(object, &applied, force)
                 .map_err(|e| apply_error(desc, name, e))?;
             Ok((Mutation::Put(object), warnings))
         }
@@ -597,7 +599,7 @@ pub fn decide_apply(
             let mut desired = merged;
             check_update(path, name, &current, &mut desired)?;
             let desired = plan
-                .finish(desired, force)
+                .finish(desired, &applied, force)
                 .map_err(|e| apply_error(desc, name, e))?;
             Ok((conclude_update(current, desired).0, warnings))
         }
