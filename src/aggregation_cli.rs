@@ -1,29 +1,35 @@
-//! Flags of report aggregation: the in-process aggregator of `reports-server serve` and the
-//! offline `reports-server aggregate` command.
+//! Flags of report aggregation: the in-process aggregator of `reports-server serve`, and
+//! `reports-server aggregate`, which either merges report YAML offline (`--input`) or aggregates
+//! a cluster continuously through its API (`--kubeconfig` / `--in-cluster`).
 //!
-//! Both share the merge options (layout, chunk size, output group), so that previewing a dump
-//! offline shows exactly what the server would write. Defaults are the aggregator crate's
-//! constants, which `docs/aggregation.md` documents.
+//! All share the merge options (layout, chunk size, output group) and their environment
+//! variables, so that previewing a dump offline shows exactly what the server would write.
+//! Defaults are the aggregator crate's constants, which `docs/aggregation.md` documents.
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Args;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::{ArgGroup, Args};
 use reports_server_aggregator::aggregator::DEFAULT_PAGE_SIZE;
+use reports_server_aggregator::cluster::adoption::AdoptionConfig;
+use reports_server_aggregator::cluster::backend::KubeBackendConfig;
+use reports_server_aggregator::cluster::lease::{self, LeaseConfig};
+use reports_server_aggregator::cluster::{ClusterAggregator, ClusterConfig};
 use reports_server_aggregator::merge::DEFAULT_CHUNK_SIZE;
 use reports_server_aggregator::queue::DEFAULT_WORKERS;
 use reports_server_aggregator::{
-    AggregatorConfig, Layout, MergeOptions, Metrics, OfflineOptions, OutputFormat, QueueConfig,
-    aggregate_offline,
+    AggregatorConfig, CancellationToken, Layout, MergeOptions, Metrics, OfflineOptions,
+    OutputFormat, QueueConfig, aggregate_offline,
 };
 use reports_server_apiserver::aggregation::run_in_process;
 use reports_server_apiserver::standalone::RunningServer;
 
 /// `--aggregation-layout` / `--layout` values.
-fn layout_parser() -> impl TypedValueParser<Value = Layout> {
+pub(crate) fn layout_parser() -> impl TypedValueParser<Value = Layout> {
     PossibleValuesParser::new(["per-resource", "per-policy"]).map(|s| {
         s.parse::<Layout>()
             .expect("only possible values reach here")
@@ -40,7 +46,7 @@ fn output_parser() -> impl TypedValueParser<Value = OutputFormat> {
 
 /// A duration in seconds (`30`, `0.5`) or with a unit (`30s`, `500ms`, `2m`), so that
 /// `--aggregation-delay 30s` from the docs and a bare number both work.
-fn parse_delay(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_delay(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let (number, scale) = if let Some(n) = text.strip_suffix("ms") {
         (n, 0.001)
@@ -141,30 +147,250 @@ impl AggregationArgs {
     }
 }
 
-/// `reports-server aggregate`: merge report YAML offline and print the resulting reports.
+/// `reports-server aggregate`: merge report YAML offline and print the resulting reports
+/// (`--input`), or aggregate a cluster's ephemeral reports continuously through its API
+/// (`--kubeconfig` / `--in-cluster`).
 #[derive(Args, Debug)]
+#[command(group(ArgGroup::new("mode").required(true).multiple(false).args(["input", "kubeconfig", "in_cluster"])))]
 pub struct AggregateArgs {
-    /// Report YAML to read: files, or directories searched recursively for *.yaml and *.yml;
-    /// `-` reads standard input. Ephemeral reports, policy reports, openreports reports and
-    /// Lists of them.
-    #[arg(long, short, required = true, num_args = 1.., value_name = "FILE_OR_DIR")]
+    /// Offline: report YAML to read: files, or directories searched recursively for *.yaml and
+    /// *.yml; `-` reads standard input. Ephemeral reports, policy reports, openreports reports
+    /// and Lists of them.
+    #[arg(long, short, num_args = 1.., value_name = "FILE_OR_DIR")]
     pub input: Vec<PathBuf>,
-    /// Kyverno policies (same rules); results of missing policies and rules are dropped.
-    /// Without it the policy set is unknown and nothing is dropped.
-    #[arg(long, num_args = 1.., value_name = "FILE_OR_DIR")]
+    /// Offline: Kyverno policies (same rules); results of missing policies and rules are
+    /// dropped. Without it the policy set is unknown and nothing is dropped. (Against a cluster
+    /// the policies are watched there.)
+    #[arg(long, num_args = 1.., value_name = "FILE_OR_DIR", conflicts_with_all = ["kubeconfig", "in_cluster"])]
     pub policies: Vec<PathBuf>,
     /// Report layout.
-    #[arg(long, default_value = "per-resource", value_parser = layout_parser())]
+    #[arg(long, visible_alias = "aggregation-layout", env = "REPORTS_SERVER_AGGREGATION_LAYOUT", default_value = "per-resource", value_parser = layout_parser())]
     pub layout: Layout,
     /// Per-policy layout: maximum results per report (0 = unlimited).
-    #[arg(long, default_value_t = DEFAULT_CHUNK_SIZE)]
+    #[arg(long, env = "REPORTS_SERVER_AGGREGATION_CHUNK_SIZE", default_value_t = DEFAULT_CHUNK_SIZE)]
     pub chunk_size: usize,
     /// API group of the reports written.
-    #[arg(long, default_value = "wgpolicy", value_parser = output_parser())]
+    #[arg(long, visible_alias = "aggregation-output", env = "REPORTS_SERVER_AGGREGATION_OUTPUT", default_value = "wgpolicy", value_parser = output_parser())]
     pub output: OutputFormat,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
 }
 
-/// Runs `reports-server aggregate`: prints the merged reports as multi-document YAML.
+/// Flags of `reports-server aggregate --kubeconfig`: continuous aggregation through the
+/// Kubernetes API (reports stored as CRDs in etcd, or served by reports-server behind
+/// kube-apiserver). Run Kyverno with `--aggregateReports=false`.
+#[derive(Args, Debug)]
+pub struct ClusterArgs {
+    /// Aggregate continuously in the cluster this kubeconfig points at (its current context).
+    #[arg(long, env = "REPORTS_SERVER_KUBECONFIG", value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Aggregate continuously in the cluster this pod runs in (service-account credentials).
+    #[arg(long, env = "REPORTS_SERVER_IN_CLUSTER")]
+    pub in_cluster: bool,
+    /// Delay between a change to an ephemeral report and the merge of its namespace, in
+    /// seconds or with a unit (500ms, 30s, 2m). Further changes do not postpone the merge.
+    #[arg(long, env = "REPORTS_SERVER_AGGREGATION_DELAY", default_value = "30", value_parser = parse_delay)]
+    pub aggregation_delay: Duration,
+    /// Namespaces merged in parallel.
+    #[arg(long, env = "REPORTS_SERVER_AGGREGATION_WORKERS", default_value_t = DEFAULT_WORKERS)]
+    pub aggregation_workers: usize,
+    /// Per-resource layout: resources merged per page; also the `limit` of every list request.
+    #[arg(long, env = "REPORTS_SERVER_AGGREGATION_PAGE_SIZE", default_value_t = DEFAULT_PAGE_SIZE)]
+    pub aggregation_page_size: usize,
+    /// API requests in flight at once per namespace being merged.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_AGGREGATION_API_CONCURRENCY",
+        default_value_t = 8
+    )]
+    pub aggregation_api_concurrency: usize,
+    /// Namespace of the Lease that keeps one aggregator active per cluster
+    /// [default: the pod's namespace in-cluster, else `default`].
+    #[arg(
+        long,
+        visible_alias = "namespace-for-lease",
+        env = "REPORTS_SERVER_LEASE_NAMESPACE"
+    )]
+    pub lease_namespace: Option<String>,
+    /// Name of that Lease.
+    #[arg(long, env = "REPORTS_SERVER_LEASE_NAME", default_value = lease::DEFAULT_NAME)]
+    pub lease_name: String,
+    /// leaseDurationSeconds: a standby takes over after seeing the Lease unchanged this long.
+    /// The holder renews every third of it and stops aggregating when it could not renew for
+    /// two thirds of it.
+    #[arg(long, env = "REPORTS_SERVER_LEASE_DURATION", default_value = "15s", value_parser = parse_delay)]
+    pub lease_duration: Duration,
+    /// An un-owned admission report whose resource is not found is deleted once older than
+    /// this (Kyverno: 2 minutes).
+    #[arg(long, env = "REPORTS_SERVER_ADOPTION_GRACE_PERIOD", default_value = "2m", value_parser = parse_delay)]
+    pub adoption_grace_period: Duration,
+    /// How soon an admission report that could not be adopted yet is looked at again.
+    #[arg(long, env = "REPORTS_SERVER_ADOPTION_RETRY", default_value = "10s", value_parser = parse_delay)]
+    pub adoption_retry: Duration,
+    /// Drop results of deleted policies and rules, watching the cluster's policies (Kyverno
+    /// ClusterPolicy/Policy, ValidatingAdmissionPolicy, Kyverno CEL policies). `false` keeps
+    /// every result (no read access to policies needed).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_WATCH_POLICIES",
+        default_value_t = true,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set,
+        value_name = "BOOL"
+    )]
+    pub watch_policies: bool,
+    /// How long a new leader waits for the initial lists of policies before merging anyway
+    /// (kinds not listed by then are treated as unknown: none of their results is dropped).
+    #[arg(long, env = "REPORTS_SERVER_POLICY_SYNC_TIMEOUT", default_value = "30s", value_parser = parse_delay)]
+    pub policy_sync_timeout: Duration,
+    /// Address of the `/metrics` and `/healthz` endpoint (port 0: any free port, logged);
+    /// `off` disables it.
+    #[arg(long, env = "REPORTS_SERVER_METRICS_BIND_ADDRESS", default_value = "127.0.0.1:9464", value_parser = parse_metrics_address)]
+    pub metrics_bind_address: MetricsAddress,
+}
+
+/// `--metrics-bind-address`: an address, or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetricsAddress(pub Option<SocketAddr>);
+
+fn parse_metrics_address(text: &str) -> Result<MetricsAddress, String> {
+    if matches!(text.trim(), "off" | "none" | "") {
+        return Ok(MetricsAddress(None));
+    }
+    text.trim()
+        .parse::<SocketAddr>()
+        .map(|a| MetricsAddress(Some(a)))
+        .map_err(|_| {
+            format!("{text:?} is not an address (examples: 127.0.0.1:9464, 0.0.0.0:9464, off)")
+        })
+}
+
+/// The Lease namespace when none is given: the service account's namespace in a pod.
+fn default_lease_namespace() -> String {
+    std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "default".into())
+}
+
+impl AggregateArgs {
+    /// The cluster aggregator settings these flags describe.
+    pub fn cluster_config(&self) -> ClusterConfig {
+        let c = &self.cluster;
+        let mut lease = LeaseConfig::new(
+            c.lease_namespace
+                .clone()
+                .unwrap_or_else(default_lease_namespace),
+            c.lease_name.clone(),
+            lease::default_identity(),
+        );
+        let duration = c.lease_duration.max(Duration::from_secs(3));
+        lease.duration = duration;
+        lease.renew_interval = duration / 3;
+        lease.renew_deadline = duration * 2 / 3;
+        ClusterConfig {
+            aggregator: AggregatorConfig {
+                queue: QueueConfig {
+                    delay: c.aggregation_delay,
+                    workers: c.aggregation_workers.max(1),
+                    ..QueueConfig::default()
+                },
+                merge: MergeOptions {
+                    layout: self.layout,
+                    chunk_size: self.chunk_size,
+                    output: self.output,
+                    ..MergeOptions::default()
+                },
+                page_size: c.aggregation_page_size.max(1),
+            },
+            backend: KubeBackendConfig {
+                list_page_size: u32::try_from(c.aggregation_page_size.max(1)).unwrap_or(u32::MAX),
+                concurrency: c.aggregation_api_concurrency.max(1),
+            },
+            lease,
+            adoption: AdoptionConfig {
+                grace: c.adoption_grace_period,
+                retry: c.adoption_retry.max(Duration::from_millis(100)),
+            },
+            watch_policies: c.watch_policies,
+            policy_sync_timeout: c.policy_sync_timeout,
+            metrics_address: c.metrics_bind_address.0,
+        }
+    }
+}
+
+/// Runs `reports-server aggregate` in the mode its flags select.
+pub async fn run_aggregate(args: AggregateArgs) -> anyhow::Result<()> {
+    if args.input.is_empty() {
+        run_cluster(args).await
+    } else {
+        run_offline(args)
+    }
+}
+
+/// A client for `--kubeconfig` (its current context) or the in-cluster service account.
+async fn cluster_client(args: &ClusterArgs) -> anyhow::Result<kube::Client> {
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("cannot read --kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .with_context(|| format!("--kubeconfig {} is not usable", path.display()))?
+        }
+        None => kube::Config::incluster().context(
+            "--in-cluster needs a pod's service account (KUBERNETES_SERVICE_HOST and the token); outside a cluster pass --kubeconfig PATH",
+        )?,
+    };
+    kube::Client::try_from(config).context("cannot build a Kubernetes client")
+}
+
+/// Continuous aggregation through the cluster API until SIGINT/SIGTERM.
+async fn run_cluster(args: AggregateArgs) -> anyhow::Result<()> {
+    let client = cluster_client(&args.cluster).await?;
+    let config = args.cluster_config();
+    tracing::info!(
+        delay = ?config.aggregator.queue.delay,
+        workers = config.aggregator.queue.workers,
+        layout = %config.aggregator.merge.layout,
+        output = %config.aggregator.merge.output,
+        lease = %format!("{}/{}", config.lease.namespace, config.lease.name),
+        identity = %config.lease.identity,
+        adoption_grace = ?config.adoption.grace,
+        watch_policies = config.watch_policies,
+        "aggregating through the Kubernetes API"
+    );
+    let cancel = CancellationToken::new();
+    let token = cancel.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        token.cancel();
+    });
+    ClusterAggregator::new(client, config)
+        .run(cancel)
+        .await
+        .context("aggregation stopped")
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+/// Runs `reports-server aggregate --input`: prints the merged reports as multi-document YAML.
 pub fn run_offline(args: AggregateArgs) -> anyhow::Result<()> {
     let yaml = aggregate_offline(
         &args.input,
@@ -186,6 +412,9 @@ pub fn run_offline(args: AggregateArgs) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use clap::Parser;
+    use reports_server_aggregator::cluster::adoption::{DEFAULT_GRACE, DEFAULT_RETRY};
+    use reports_server_aggregator::cluster::runner::DEFAULT_POLICY_SYNC_TIMEOUT;
+    use reports_server_aggregator::queue::DEFAULT_DELAY;
 
     #[derive(Parser)]
     struct Serve {
@@ -290,5 +519,105 @@ mod tests {
         assert_eq!(args.chunk_size, 0);
         assert_eq!(args.output, OutputFormat::Openreports);
         assert!(Offline::try_parse_from(["aggregate"]).is_err());
+    }
+
+    #[test]
+    fn cluster_defaults_are_the_documented_ones() {
+        let args = Offline::try_parse_from(["aggregate", "--kubeconfig", "kc"])
+            .unwrap()
+            .aggregate;
+        assert!(args.input.is_empty());
+        assert_eq!(args.cluster.kubeconfig, Some(PathBuf::from("kc")));
+        let config = args.cluster_config();
+        assert_eq!(config.aggregator, AggregatorConfig::default());
+        assert_eq!(config.aggregator.queue.delay, DEFAULT_DELAY);
+        assert_eq!(config.adoption.grace, DEFAULT_GRACE);
+        assert_eq!(config.adoption.retry, DEFAULT_RETRY);
+        assert_eq!(config.lease.name, "reports-server-aggregator");
+        assert_eq!(config.lease.duration, Duration::from_secs(15));
+        assert_eq!(config.lease.renew_interval, Duration::from_secs(5));
+        assert_eq!(config.lease.renew_deadline, Duration::from_secs(10));
+        assert!(config.watch_policies);
+        assert_eq!(config.policy_sync_timeout, DEFAULT_POLICY_SYNC_TIMEOUT);
+        assert_eq!(
+            config.metrics_address,
+            Some("127.0.0.1:9464".parse().unwrap())
+        );
+    }
+
+    #[test]
+    fn cluster_flags() {
+        let args = Offline::try_parse_from([
+            "aggregate",
+            "--kubeconfig",
+            "kc",
+            "--aggregation-delay",
+            "1s",
+            "--aggregation-layout",
+            "per-policy",
+            "--namespace-for-lease",
+            "kyverno",
+            "--lease-name",
+            "agg",
+            "--lease-duration",
+            "6s",
+            "--adoption-grace-period",
+            "20s",
+            "--watch-policies=false",
+            "--metrics-bind-address",
+            "off",
+            "--aggregation-page-size",
+            "100",
+        ])
+        .unwrap()
+        .aggregate;
+        let config = args.cluster_config();
+        assert_eq!(config.aggregator.queue.delay, Duration::from_secs(1));
+        assert_eq!(config.aggregator.merge.layout, Layout::PerPolicy);
+        assert_eq!(config.aggregator.page_size, 100);
+        assert_eq!(config.backend.list_page_size, 100);
+        assert_eq!(
+            (config.lease.namespace.as_str(), config.lease.name.as_str()),
+            ("kyverno", "agg")
+        );
+        assert_eq!(config.lease.renew_interval, Duration::from_secs(2));
+        assert_eq!(config.lease.renew_deadline, Duration::from_secs(4));
+        assert_eq!(config.adoption.grace, Duration::from_secs(20));
+        assert!(!config.watch_policies);
+        assert_eq!(config.metrics_address, None);
+        assert!(
+            Offline::try_parse_from(["aggregate", "--in-cluster"])
+                .unwrap()
+                .aggregate
+                .cluster
+                .in_cluster
+        );
+    }
+
+    #[test]
+    fn offline_and_cluster_modes_exclude_each_other() {
+        let err = Offline::try_parse_from(["aggregate", "--input", "a.yaml", "--kubeconfig", "kc"])
+            .err()
+            .expect("--input with --kubeconfig must be refused")
+            .to_string();
+        assert!(err.contains("cannot be used with"), "{err}");
+        let err = Offline::try_parse_from(["aggregate", "--kubeconfig", "kc", "--in-cluster"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("cannot be used with"), "{err}");
+        // --policies is an offline flag.
+        assert!(
+            Offline::try_parse_from(["aggregate", "--kubeconfig", "kc", "--policies", "p"])
+                .is_err()
+        );
+        let err = Offline::try_parse_from(["aggregate"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("--input") && err.contains("--kubeconfig"),
+            "{err}"
+        );
     }
 }

@@ -1,35 +1,81 @@
-//! `reports-server bench`: create and list throughput of a fresh standalone server, driven by
-//! the kube-rs client over HTTPS exactly as a real client would. Prints figures; asserts only
-//! correctness (every object listed exactly once), never speed.
+//! `reports-server bench`: figures of a fresh standalone server running in this process, driven
+//! by the kube-rs client over HTTPS exactly as a real client would. Prints figures; asserts only
+//! correctness (every object listed exactly once, every watcher receives every event), never
+//! speed.
+//!
+//! Phases (`--phases`, comma-separated, run in this order):
+//! - `create`: `--reports` Pod Security Standards reports through the API;
+//! - `list`: a paginated list of everything;
+//! - `watcher-sync`: a kube-rs watcher's initial list;
+//! - `watch-latency`: `--watchers` concurrent watches while `--write-rate` creates per second
+//!   run for `--write-seconds`; the latency of each event from the moment its write was sent
+//!   (stamped into the object) to its arrival at each watcher;
+//! - `rss`: `--rss-reports` reports loaded in bulk through the store, then the process's
+//!   resident memory (`VmRSS`, peak `VmHWM` from `/proc/self/status`) idle and after a full
+//!   paginated list. The server runs in this process, so that is the server's memory (plus the
+//!   benchmark client's, which holds one page at a time).
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use clap::Args;
 use futures::{StreamExt, TryStreamExt};
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, ListParams, PostParams, WatchEvent, WatchParams};
 use reports_server_apiserver::http::ApiOptions;
 use reports_server_apiserver::standalone::{self, StandaloneConfig};
-use reports_server_apiserver::store::StoreOptions;
+use reports_server_apiserver::store::write_target::Target;
+use reports_server_apiserver::store::{Mutation, Store, StoreError, StoreOptions};
 use reports_server_crds::PolicyReport;
+use reports_server_crds::catalog::POLICY_REPORT;
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
+
+/// Every phase, in the order they run.
+const PHASES: [&str; 5] = ["create", "list", "watcher-sync", "watch-latency", "rss"];
+
+/// The annotation carrying the moment a latency write was sent (nanoseconds since the epoch).
+const SENT_AT: &str = "bench.reports-server.io/sent-at-ns";
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Number of ~7 KB Pod Security Standards reports to create.
+    /// Phases to run, comma-separated: create, list, watcher-sync, watch-latency, rss, or all.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_BENCH_PHASES",
+        value_delimiter = ',',
+        default_value = "create,list,watcher-sync"
+    )]
+    phases: Vec<String>,
+    /// Number of ~9 KB Pod Security Standards reports to create (phase create).
     #[arg(long, env = "REPORTS_SERVER_BENCH_REPORTS", default_value_t = 10_000)]
     reports: u64,
     /// Namespaces to spread them over.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, env = "REPORTS_SERVER_BENCH_NAMESPACES", default_value_t = 10)]
     namespaces: u64,
     /// Concurrent create requests.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "REPORTS_SERVER_BENCH_CONCURRENCY", default_value_t = 16)]
     concurrency: usize,
-    /// Page size of the paginated list.
-    #[arg(long, default_value_t = 500)]
+    /// Page size of the paginated lists.
+    #[arg(long, env = "REPORTS_SERVER_BENCH_PAGE_SIZE", default_value_t = 500)]
     page_size: u32,
+    /// Concurrent watchers (phase watch-latency).
+    #[arg(long, env = "REPORTS_SERVER_BENCH_WATCHERS", default_value_t = 100)]
+    watchers: usize,
+    /// Steady write load while the watchers run, in creates per second (phase watch-latency).
+    #[arg(long, env = "REPORTS_SERVER_BENCH_WRITE_RATE", default_value_t = 200)]
+    write_rate: u32,
+    /// How long the write load runs, in seconds (phase watch-latency).
+    #[arg(long, env = "REPORTS_SERVER_BENCH_WRITE_SECONDS", default_value_t = 10)]
+    write_seconds: u64,
+    /// Reports loaded before measuring memory (phase rss).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_BENCH_RSS_REPORTS",
+        default_value_t = 100_000
+    )]
+    rss_reports: u64,
     /// Database to benchmark [default: a fresh SQLite file in a temporary directory].
     #[arg(long, env = "REPORTS_SERVER_BENCH_DATABASE_URL")]
     database_url: Option<String>,
@@ -44,7 +90,24 @@ pub async fn client_for(kubeconfig: &std::path::Path) -> anyhow::Result<kube::Cl
     Ok(kube::Client::try_from(config)?)
 }
 
+fn selected(args: &BenchArgs) -> anyhow::Result<Vec<&'static str>> {
+    let wanted: Vec<String> = args.phases.iter().map(|p| p.trim().to_owned()).collect();
+    for p in &wanted {
+        if p != "all" && !PHASES.contains(&p.as_str()) {
+            bail!(
+                "unknown phase {p:?} (phases: {}, or all)",
+                PHASES.join(", ")
+            );
+        }
+    }
+    Ok(PHASES
+        .into_iter()
+        .filter(|p| wanted.iter().any(|w| w == "all" || w == p))
+        .collect())
+}
+
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let phases = selected(&args)?;
     let dir = tempfile::tempdir()?;
     let url = args.database_url.clone().unwrap_or_else(|| {
         format!(
@@ -52,6 +115,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             dir.path().join("bench.db").display()
         )
     });
+    let baseline = memory()?;
     let server = standalone::start(StandaloneConfig {
         data_dir: dir.path().to_owned(),
         bind: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -65,13 +129,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     .await?;
     let client = client_for(&server.kubeconfig).await?;
     println!(
-        "backend: {:?} ({})",
+        "backend: {:?} ({}); {} build; phases: {}",
         server.store.backend(),
         if args.database_url.is_some() {
             "given URL"
         } else {
             "temporary SQLite file"
-        }
+        },
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        phases.join(",")
     );
     let sample = serde_json::to_vec(&pss_policy_report(
         &Subject::pod("ns-0", 0),
@@ -79,11 +149,86 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         &[1, 7],
     ))?
     .len();
+    let mut rows: Vec<(String, String)> = Vec::new();
+    let mut created = 0u64;
+    let mut listed = None;
+
+    if phases.contains(&"create") {
+        let secs = create(&args, &client, sample).await?;
+        created = args.reports;
+        rows.push((
+            format!("create ({} concurrent)", args.concurrency),
+            format!(
+                "{:.0} reports/s ({secs:.1} s for {})",
+                args.reports as f64 / secs,
+                args.reports
+            ),
+        ));
+    }
+    let api: Api<PolicyReport> = Api::all(client.clone());
+    if phases.contains(&"list") {
+        let started = Instant::now();
+        let (n, pages) = list_all(&api, args.page_size).await?;
+        let secs = started.elapsed().as_secs_f64();
+        if n as u64 != created {
+            bail!("listed {n} objects, created {created}");
+        }
+        rows.push((
+            format!("paginated list (limit={})", args.page_size),
+            format!(
+                "{:.0} reports/s, {:.1} MB/s ({pages} pages, {secs:.2} s)",
+                n as f64 / secs,
+                (n * sample) as f64 / secs / 1e6,
+            ),
+        ));
+        listed = Some(n);
+    }
+    if phases.contains(&"watcher-sync") {
+        // A watchlist-style pass: how fast a full relist through a reflector runs.
+        let started = Instant::now();
+        let relisted = kube::runtime::watcher(api.clone(), Default::default())
+            .take_while(|e| {
+                futures::future::ready(!matches!(e, Ok(kube::runtime::watcher::Event::InitDone)))
+            })
+            .try_fold(0usize, |n, e| async move {
+                Ok(n + matches!(e, kube::runtime::watcher::Event::InitApply(_)) as usize)
+            });
+        let relisted = tokio::time::timeout(Duration::from_secs(600), relisted)
+            .await
+            .context("watcher initial list timed out")??;
+        let secs = started.elapsed().as_secs_f64();
+        rows.push((
+            "kube-rs watcher initial sync".into(),
+            format!(
+                "{:.0} reports/s ({relisted} objects, {secs:.2} s)",
+                relisted as f64 / secs
+            ),
+        ));
+    }
+    if phases.contains(&"watch-latency") {
+        rows.extend(watch_latency(&args, &client).await?);
+    }
+    if phases.contains(&"rss") {
+        rows.extend(rss(&args, &server.store, &client, baseline).await?);
+    }
+
+    println!("| measurement | value |");
+    println!("|---|---|");
+    for (k, v) in &rows {
+        println!("| {k} | {v} |");
+    }
+    if let Some(n) = listed {
+        println!("every object listed exactly once: yes ({n} of {created})");
+    }
+    server.shutdown().await;
+    Ok(())
+}
+
+async fn create(args: &BenchArgs, client: &kube::Client, sample: usize) -> anyhow::Result<f64> {
     println!(
         "creating {} PolicyReports of {} bytes in {} namespaces, {} concurrent requests",
         args.reports, sample, args.namespaces, args.concurrency
     );
-
     let started = Instant::now();
     let mut done = 0u64;
     let mut creates = futures::stream::iter(0..args.reports)
@@ -105,13 +250,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     eprintln!();
-    let create_secs = started.elapsed().as_secs_f64();
+    Ok(started.elapsed().as_secs_f64())
+}
 
-    let api: Api<PolicyReport> = Api::all(client.clone());
-    let started = Instant::now();
+/// Lists everything page by page; fails if an object comes back twice. Returns (objects, pages).
+async fn list_all(api: &Api<PolicyReport>, page_size: u32) -> anyhow::Result<(usize, usize)> {
     let mut seen = HashSet::new();
     let mut pages = 0;
-    let mut params = ListParams::default().limit(args.page_size);
+    let mut params = ListParams::default().limit(page_size);
     loop {
         let page = api.list(&params).await?;
         pages += 1;
@@ -126,54 +272,306 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
         match page.metadata.continue_.filter(|c| !c.is_empty()) {
             Some(c) => params = params.continue_token(&c),
-            None => break,
+            None => return Ok((seen.len(), pages)),
         }
     }
-    let list_secs = started.elapsed().as_secs_f64();
-    if seen.len() as u64 != args.reports {
-        bail!("listed {} objects, created {}", seen.len(), args.reports);
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+/// The p-th percentile (0..=100) of sorted samples.
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
     }
+    let i = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
 
-    // A metadata-only watchlist-style pass: how fast a full relist through a reflector runs.
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
+
+/// A small report for the latency load: the payload is not what is measured.
+fn latency_report(n: u64) -> PolicyReport {
+    let mut r = pss_policy_report(&Subject::pod("bench-latency", n), 1_700_000_000, &[]);
+    r.results = None;
+    r.metadata.name = Some(format!("lat-{n:07}"));
+    r.metadata.annotations = Some([(SENT_AT.to_owned(), now_ns().to_string())].into());
+    r
+}
+
+async fn watch_latency(
+    args: &BenchArgs,
+    client: &kube::Client,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let ns = "bench-latency";
+    let api: Api<PolicyReport> = Api::namespaced(client.clone(), ns);
+    let expected = args.write_rate as u64 * args.write_seconds;
+    println!(
+        "watch latency: {} watchers, {} creates/s for {} s ({expected} events per watcher)",
+        args.watchers, args.write_rate, args.write_seconds
+    );
+    let from = api
+        .list(&ListParams::default().limit(1))
+        .await?
+        .metadata
+        .resource_version
+        .unwrap_or_default();
+
+    // Every watcher from the same version, each on its own connection; it stops after the
+    // expected number of events (or when the deadline passes, which fails the phase).
+    let deadline = Duration::from_secs(args.write_seconds + 120);
+    let mut watchers = Vec::with_capacity(args.watchers);
+    for _ in 0..args.watchers {
+        let api = api.clone();
+        let from = from.clone();
+        watchers.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(expected as usize);
+            let mut names = HashSet::with_capacity(expected as usize);
+            let mut rv = from;
+            let run = async {
+                // Resume like any client if the stream ends (timeout or cut-off).
+                while (names.len() as u64) < expected {
+                    let mut events = api
+                        .watch(&WatchParams::default().timeout(600), &rv)
+                        .await?
+                        .boxed();
+                    while let Some(event) = events.try_next().await? {
+                        if let WatchEvent::Added(o) = event {
+                            let received = now_ns();
+                            let sent: u128 = o
+                                .metadata
+                                .annotations
+                                .as_ref()
+                                .and_then(|a| a.get(SENT_AT))
+                                .and_then(|v| v.parse().ok())
+                                .unwrap_or(received);
+                            latencies
+                                .push(Duration::from_nanos(received.saturating_sub(sent) as u64));
+                            rv = o.metadata.resource_version.clone().unwrap_or_default();
+                            names.insert(o.metadata.name.unwrap_or_default());
+                            if names.len() as u64 == expected {
+                                break;
+                            }
+                        }
+                    }
+                }
+                Ok::<_, kube::Error>(())
+            };
+            let outcome = tokio::time::timeout(deadline, run).await;
+            (
+                latencies,
+                names,
+                outcome.map(|r| r.map_err(|e| e.to_string())),
+            )
+        }));
+    }
+    // Give every watch time to be established before the first write.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // Steady load: one create every 1/rate seconds, never more than 64 in flight.
     let started = Instant::now();
-    let relisted = kube::runtime::watcher(api.clone(), Default::default())
-        .take_while(|e| {
-            futures::future::ready(!matches!(e, Ok(kube::runtime::watcher::Event::InitDone)))
-        })
-        .try_fold(0usize, |n, e| async move {
-            Ok(n + matches!(e, kube::runtime::watcher::Event::InitApply(_)) as usize)
-        });
-    let relisted = tokio::time::timeout(Duration::from_secs(600), relisted)
-        .await
-        .context("watcher initial list timed out")??;
-    let watcher_secs = started.elapsed().as_secs_f64();
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / args.write_rate as f64));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut writes = Vec::with_capacity(expected as usize);
+    for n in 0..expected {
+        ticker.tick().await;
+        let permit = in_flight.clone().acquire_owned().await?;
+        let api = api.clone();
+        writes.push(tokio::spawn(async move {
+            let sent = Instant::now();
+            let r = api.create(&PostParams::default(), &latency_report(n)).await;
+            drop(permit);
+            r.map(|_| sent.elapsed())
+        }));
+    }
+    let mut ack = Vec::with_capacity(writes.len());
+    for w in writes {
+        ack.push(w.await?.context("latency write failed")?);
+    }
+    let write_secs = started.elapsed().as_secs_f64();
 
-    println!("| measurement | value |");
-    println!("|---|---|");
-    println!(
-        "| create ({} concurrent) | {:.0} reports/s ({:.1} s for {}) |",
-        args.concurrency,
-        args.reports as f64 / create_secs,
-        create_secs,
-        args.reports
-    );
-    println!(
-        "| paginated list (limit={}) | {:.0} reports/s, {:.1} MB/s ({pages} pages, {:.2} s) |",
-        args.page_size,
-        seen.len() as f64 / list_secs,
-        (seen.len() * sample) as f64 / list_secs / 1e6,
-        list_secs
-    );
-    println!(
-        "| kube-rs watcher initial sync | {:.0} reports/s ({relisted} objects, {:.2} s) |",
-        relisted as f64 / watcher_secs,
-        watcher_secs
-    );
-    println!(
-        "every object listed exactly once: yes ({} of {})",
-        seen.len(),
-        args.reports
-    );
-    server.shutdown().await;
-    Ok(())
+    let mut all = Vec::new();
+    let mut short = 0;
+    for w in watchers {
+        let (latencies, names, outcome) = w.await?;
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => bail!("a watcher failed: {e}"),
+            Err(_) => bail!(
+                "a watcher received {} of {expected} events before the deadline",
+                names.len()
+            ),
+        }
+        if names.len() as u64 != expected || latencies.len() as u64 != expected {
+            short += 1;
+        }
+        all.extend(latencies);
+    }
+    if short > 0 {
+        bail!("{short} watchers did not receive every event exactly once");
+    }
+    all.sort();
+    ack.sort();
+    let delivered = all.len();
+    Ok(vec![
+        (
+            format!(
+                "watch delivery latency ({} watchers, {} creates/s target)",
+                args.watchers, args.write_rate
+            ),
+            format!(
+                "p50 {}, p99 {}, max {} (from sending the write to each watcher's receipt)",
+                ms(percentile(&all, 50.0)),
+                ms(percentile(&all, 99.0)),
+                ms(*all.last().unwrap_or(&Duration::ZERO))
+            ),
+        ),
+        (
+            "watch events delivered".into(),
+            format!(
+                "{delivered} of {} expected ({} watchers × {expected}); every watcher got every event: yes",
+                args.watchers as u64 * expected,
+                args.watchers
+            ),
+        ),
+        (
+            "write acknowledgement under that load".into(),
+            format!(
+                "p50 {}, p99 {}; achieved {:.0} creates/s",
+                ms(percentile(&ack, 50.0)),
+                ms(percentile(&ack, 99.0)),
+                expected as f64 / write_secs
+            ),
+        ),
+    ])
+}
+
+/// `VmRSS` and `VmHWM` of this process, in bytes.
+fn memory() -> anyhow::Result<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .context("reading /proc/self/status (the rss phase needs Linux)")?;
+    let field = |name: &str| -> anyhow::Result<u64> {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .with_context(|| format!("{name} missing from /proc/self/status"))?;
+        let kb: u64 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("cannot parse {line:?}"))?;
+        Ok(kb * 1024)
+    };
+    Ok((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+fn mb(bytes: u64) -> String {
+    format!("{:.0} MB", bytes as f64 / 1e6)
+}
+
+/// Loads reports in bulk through the store (one transaction per 1,000, the same rows the API
+/// writes), then reads the process's memory idle and after a full paginated list.
+async fn rss(
+    args: &BenchArgs,
+    store: &Store,
+    client: &kube::Client,
+    baseline: (u64, u64),
+) -> anyhow::Result<Vec<(String, String)>> {
+    let total = args.rss_reports;
+    println!("rss: loading {total} reports through the store");
+    let started = Instant::now();
+    let step = (total / 10).max(1);
+    let mut loaded = 0u64;
+    while loaded < total {
+        let n = (total - loaded).min(1000);
+        let keys: Vec<(String, String)> = (loaded..loaded + n)
+            .map(|i| {
+                let subject = Subject::pod(&format!("rss-{}", i % args.namespaces), i);
+                (subject.namespace.clone(), subject.uid.clone())
+            })
+            .collect();
+        let targets: Vec<Target<'_>> = keys
+            .iter()
+            .map(|(ns, name)| Target {
+                resource: &POLICY_REPORT,
+                namespace: ns,
+                name,
+            })
+            .collect();
+        let objects: Vec<serde_json::Value> = (loaded..loaded + n)
+            .map(|i| {
+                let subject = Subject::pod(&format!("rss-{}", i % args.namespaces), i);
+                let mut v = serde_json::to_value(pss_policy_report(
+                    &subject,
+                    1_700_000_000,
+                    &[(i % 19) as usize],
+                ))?;
+                v["metadata"]["uid"] = serde_json::json!(subject.uid);
+                v["metadata"]["creationTimestamp"] = serde_json::json!("2026-01-01T00:00:00Z");
+                v["metadata"]["generation"] = serde_json::json!(1);
+                Ok(v)
+            })
+            .collect::<anyhow::Result<_>>()?;
+        store
+            .mutate_batch::<StoreError, _>(&targets, false, |i, _| {
+                Ok(Mutation::Put(objects[i].clone()))
+            })
+            .await
+            .context("bulk load")?;
+        let before = loaded;
+        loaded += n;
+        if loaded / step != before / step || loaded == total {
+            eprintln!(
+                "  loaded {loaded}/{total} ({:.0}%, {:.0} s)",
+                loaded as f64 * 100.0 / total as f64,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    let load_secs = started.elapsed().as_secs_f64();
+    // Let the change feed broadcast what was loaded and settle before reading memory.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle = memory()?;
+
+    let api: Api<PolicyReport> = Api::all(client.clone());
+    let started = Instant::now();
+    let (n, pages) = list_all(&api, args.page_size).await?;
+    let list_secs = started.elapsed().as_secs_f64();
+    if (n as u64) < total {
+        bail!("listed {n} objects, loaded {total}");
+    }
+    let after_list = memory()?;
+    Ok(vec![
+        (
+            format!("bulk load of {total} reports through the store (rss phase)"),
+            format!(
+                "{:.0} reports/s ({load_secs:.0} s)",
+                total as f64 / load_secs
+            ),
+        ),
+        (
+            "RSS before the server started".into(),
+            format!("{} (VmHWM {})", mb(baseline.0), mb(baseline.1)),
+        ),
+        (
+            format!("RSS idle with {total} stored reports"),
+            format!("{} (VmHWM {})", mb(idle.0), mb(idle.1)),
+        ),
+        (
+            format!("RSS after a full paginated list (limit={})", args.page_size),
+            format!(
+                "{} (VmHWM {}); {n} objects in {pages} pages, {list_secs:.1} s",
+                mb(after_list.0),
+                mb(after_list.1)
+            ),
+        ),
+    ])
 }

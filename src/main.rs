@@ -5,6 +5,7 @@
 mod aggregation_cli;
 mod apiservices;
 mod bench;
+mod bench_aggregation;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -49,9 +50,12 @@ enum Command {
     /// Print the ExternalName Service and the three APIServices that route a cluster's report
     /// APIs to a server running outside the cluster (pipe into `kubectl apply -f -`).
     Apiservices(apiservices::ApiservicesArgs),
-    /// Merge ephemeral reports into policy reports offline (YAML in, YAML out), as the server's
-    /// aggregator would.
+    /// Merge ephemeral reports into policy reports: offline (`--input`, YAML in, YAML out), or
+    /// continuously in a cluster through its API (`--kubeconfig`/`--in-cluster`).
     Aggregate(aggregation_cli::AggregateArgs),
+    /// Measure end-to-end in-process aggregation: ephemeral reports created through the API
+    /// until every one is merged into policy reports, for both layouts.
+    BenchAggregation(bench_aggregation::BenchAggregationArgs),
 }
 
 /// How `serve` authenticates and authorizes callers.
@@ -78,6 +82,13 @@ pub struct DatabaseArgs {
     /// Maximum database connections of this process.
     #[arg(long, env = "REPORTS_SERVER_DB_MAX_CONNECTIONS", default_value_t = 10)]
     db_max_connections: u32,
+    /// Seconds an operation waits for a database connection before the request fails with 503.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_DB_CONNECT_TIMEOUT_SECONDS",
+        default_value_t = 10
+    )]
+    db_connect_timeout_seconds: u64,
 }
 
 #[derive(Args)]
@@ -202,6 +213,7 @@ impl DatabaseArgs {
         let mut options = StoreOptions::new(self.url()?);
         options.cluster_id = self.cluster_id.clone();
         options.max_connections = self.db_max_connections;
+        options.connect_timeout = std::time::Duration::from_secs(self.db_connect_timeout_seconds);
         Ok(options)
     }
 }
@@ -229,7 +241,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(args) => serve(*args).await,
         Command::Bench(args) => bench::run(args).await,
         Command::Apiservices(args) => apiservices::run(args),
-        Command::Aggregate(args) => aggregation_cli::run_offline(args),
+        Command::Aggregate(args) => aggregation_cli::run_aggregate(args).await,
+        Command::BenchAggregation(args) => bench_aggregation::run(args).await,
     }
 }
 

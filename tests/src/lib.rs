@@ -12,12 +12,22 @@ use std::path::Path;
 
 use anyhow::Context;
 
-/// A kube-rs client from a kubeconfig file.
+/// A kube-rs client from a kubeconfig file, with kube-rs's default retries of 429/503/504.
 pub async fn kube_client(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
+    kube_client_with_retries(kubeconfig, true).await
+}
+
+/// A kube-rs client that shows every response as the server sent it: tests asserting a 503 must
+/// not have the client retry it away (kube-rs retries 429/503/504 by default).
+pub async fn kube_client_with_retries(
+    kubeconfig: &Path,
+    retries: bool,
+) -> anyhow::Result<kube::Client> {
     let kc = kube::config::Kubeconfig::read_from(kubeconfig).context("read kubeconfig")?;
-    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+    let mut config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
         .await
         .context("load kubeconfig")?;
+    config.default_retry = retries;
     Ok(kube::Client::try_from(config)?)
 }
 

@@ -12,6 +12,19 @@ use anyhow::{Context, bail};
 pub fn binary() -> anyhow::Result<PathBuf> {
     static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BIN.get_or_init(|| {
+        // A prebuilt binary (e.g. `cargo build --bin reports-server` once in CI): the tests then
+        // run even while some unrelated test target of the workspace does not compile.
+        if let Some(path) = std::env::var_os("REPORTS_SERVER_BIN") {
+            let path = PathBuf::from(path);
+            return if path.exists() {
+                Ok(path)
+            } else {
+                Err(format!(
+                    "REPORTS_SERVER_BIN={} does not exist; build it with `cargo build --bin reports-server`",
+                    path.display()
+                ))
+            };
+        }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let root = Path::new(env!("CARGO_MANIFEST_DIR"))
             .parent()
@@ -157,6 +170,11 @@ impl ServerProcess {
         lines[lines.len().saturating_sub(40)..].join("\n")
     }
 
+    /// The server's log file (stderr), for tests that need more than the tail.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
     pub fn url(&self) -> String {
         format!("https://127.0.0.1:{}", self.port)
     }
@@ -179,6 +197,11 @@ impl ServerProcess {
     /// A kube-rs client authenticated as the admin.
     pub async fn client(&self) -> anyhow::Result<kube::Client> {
         crate::kube_client(&self.kubeconfig).await
+    }
+
+    /// A client that does not retry 429/503/504, for tests of those responses.
+    pub async fn client_without_retries(&self) -> anyhow::Result<kube::Client> {
+        crate::kube_client_with_retries(&self.kubeconfig, false).await
     }
 }
 

@@ -1080,7 +1080,6 @@ fn crud_with_kubectl(k: &Kubectl, res: Res, ns: &str) -> Result<()> {
 /// `kubectl apply --server-side` through kube-apiserver on all six resources: create, update,
 /// managedFields, a conflict with another field manager, `--force-conflicts`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "server-side apply landed this session; this path through kube-apiserver is not verified yet; run with: cargo test -p reports-server-tests --test e2e_aggregated -- --ignored e2e_server_side_apply"]
 async fn e2e_server_side_apply_through_kube_apiserver() -> Result<()> {
     let env = Env::start("e2e_server_side_apply_through_kube_apiserver").await?;
     let ns = "e2e-ssa";

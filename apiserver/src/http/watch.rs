@@ -7,6 +7,7 @@
 //! and "started matching" into ADDED. A watcher that falls more than the broadcast buffer behind
 //! is cut off; its client resumes from the last resourceVersion it saw.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -27,6 +28,57 @@ use crate::store::{Change, EventType, ListQuery, Store};
 
 /// Longest a watch stays open when the client gives no `timeoutSeconds`.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// Objects read per query while a watch sends the current state.
+const INITIAL_PAGE_SIZE: u64 = 500;
+
+/// What a watch that starts with the current state has told its client, while the pages of that
+/// state are read one after another at increasing resourceVersions.
+///
+/// A page read at version R already shows every change up to R to the objects in its key range,
+/// so replaying the change log from the first page's version would repeat those changes, and
+/// would announce the deletion of objects that were gone before their page was read. The
+/// catch-up therefore skips changes a page already showed and turns the first change of an
+/// object the client has not seen into ADDED (or nothing, for a deletion). Memory is one entry
+/// per object sent, and only until the catch-up ends.
+#[derive(Default)]
+struct Announced {
+    objects: HashMap<(String, String), i64>,
+}
+
+impl Announced {
+    fn record(&mut self, namespace: &str, name: &str, resource_version: i64) {
+        self.objects
+            .insert((namespace.to_owned(), name.to_owned()), resource_version);
+    }
+
+    /// The event to send for a change (already filtered for this watch), if any.
+    fn reconcile(
+        &mut self,
+        namespace: &str,
+        name: &str,
+        resource_version: i64,
+        event: EventType,
+    ) -> Option<EventType> {
+        let key = (namespace.to_owned(), name.to_owned());
+        match (self.objects.get(&key).copied(), event) {
+            (Some(shown), _) if resource_version <= shown => None,
+            (Some(_), EventType::Deleted) => {
+                self.objects.remove(&key);
+                Some(EventType::Deleted)
+            }
+            (Some(_), _) => {
+                self.objects.insert(key, resource_version);
+                Some(EventType::Modified)
+            }
+            (None, EventType::Deleted) => None,
+            (None, _) => {
+                self.objects.insert(key, resource_version);
+                Some(EventType::Added)
+            }
+        }
+    }
+}
 
 struct Filter {
     resource_key: String,
@@ -160,16 +212,21 @@ pub async fn watch(
         let mut from = match start {
             Some(rv) => rv,
             None => {
-                // Synthetic ADDED events for the current state, consistent with a snapshot.
+                // Synthetic ADDED events for the current state. Each page is a consistent read,
+                // but later pages are read at later versions than earlier ones; the catch-up
+                // below brings every page to the last page's version, so the client's state at
+                // the end is exactly the state at `newest`.
+                let mut announced = Announced::default();
                 let mut after = None;
-                let mut snapshot = current;
+                let mut snapshot = None;
+                let mut newest;
                 loop {
                     let query = ListQuery {
                         resource: path.resource,
                         namespace: path.namespace.clone(),
                         labels: filter.params.labels.clone(),
                         fields: filter.params.fields.clone(),
-                        limit: Some(500),
+                        limit: Some(INITIAL_PAGE_SIZE),
                         after: after.clone(),
                         metadata_only: false,
                     };
@@ -177,20 +234,53 @@ pub async fn watch(
                         Ok(p) => p,
                         Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
                     };
-                    if after.is_none() { snapshot = page.resource_version; }
+                    snapshot.get_or_insert(page.resource_version);
+                    newest = page.resource_version;
                     for row in &page.rows {
                         match crate::store::parse_document_public(&row.name, &row.body) {
-                            Ok(object) => yield Ok(event_line("ADDED", &render(&object))),
+                            Ok(object) => {
+                                announced.record(&row.namespace, &row.name, row.resource_version);
+                                yield Ok(event_line("ADDED", &render(&object)));
+                            }
                             Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
                         }
                     }
                     if !page.more { break; }
                     after = page.rows.last().map(|r| (r.namespace.clone(), r.name.clone()));
                 }
-                if initial_events_end {
-                    yield Ok(event_line("BOOKMARK", &bookmark_object(&path, n, snapshot, true)));
+                let snapshot = snapshot.unwrap_or(current);
+                let mut at = snapshot;
+                while at < newest {
+                    let batch = match read_changes(&store, at, Some(newest), 1000).await {
+                        Ok(b) => b,
+                        Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
+                    };
+                    if batch.is_empty() { break; }
+                    for change in batch {
+                        at = change.resource_version;
+                        let event = filter.event_for(&change).and_then(|event| {
+                            announced.reconcile(&change.namespace, &change.name, change.resource_version, event)
+                        });
+                        if let Some(event) = event {
+                            yield Ok(event_line(event.as_str(), &render(&with_rv(&change))));
+                        }
+                    }
                 }
-                snapshot
+                drop(announced);
+                // A compaction racing the catch-up could have removed changes it needed.
+                match store.versions().await {
+                    Ok((_, compacted)) if compacted > snapshot => {
+                        let e = ApiError::gone(format!("the change log was compacted past {snapshot} while the initial events were sent; watch again"));
+                        yield Ok(error_event(&e));
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
+                }
+                if initial_events_end {
+                    yield Ok(event_line("BOOKMARK", &bookmark_object(&path, n, newest, true)));
+                }
+                newest
             }
         };
         // Replay the change log between `from` and what the live feed will deliver.
@@ -280,5 +370,89 @@ fn bookmark_object(path: &ResourcePath, n: Negotiated, rv: i64, initial_events_e
         _ => {
             json!({"apiVersion": path.resource.api_version(), "kind": path.resource.kind, "metadata": metadata})
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn announced(objects: &[(&str, i64)]) -> Announced {
+        let mut a = Announced::default();
+        for (name, rv) in objects {
+            a.record("ns", name, *rv);
+        }
+        a
+    }
+
+    #[test]
+    fn changes_a_page_already_showed_are_skipped() {
+        // `b` sat on a page read at 12 and was modified at 11: the page showed that version.
+        let mut a = announced(&[("a", 5), ("b", 11)]);
+        assert_eq!(a.reconcile("ns", "b", 11, EventType::Modified), None);
+        assert_eq!(a.reconcile("ns", "b", 9, EventType::Modified), None);
+        assert_eq!(
+            a.reconcile("ns", "b", 13, EventType::Modified),
+            Some(EventType::Modified)
+        );
+    }
+
+    #[test]
+    fn later_changes_of_shown_objects_are_sent() {
+        let mut a = announced(&[("a", 5)]);
+        assert_eq!(
+            a.reconcile("ns", "a", 7, EventType::Modified),
+            Some(EventType::Modified)
+        );
+        assert_eq!(
+            a.reconcile("ns", "a", 8, EventType::Deleted),
+            Some(EventType::Deleted)
+        );
+        // Gone for the client now: a later deletion or modification starts from nothing.
+        assert_eq!(a.reconcile("ns", "a", 9, EventType::Deleted), None);
+        assert_eq!(
+            a.reconcile("ns", "a", 10, EventType::Added),
+            Some(EventType::Added)
+        );
+    }
+
+    #[test]
+    fn objects_gone_before_their_page_was_read_are_never_announced() {
+        // Created and deleted after the first page, both before its own page was read.
+        let mut a = announced(&[("a", 5)]);
+        assert_eq!(
+            a.reconcile("ns", "z", 6, EventType::Added),
+            Some(EventType::Added)
+        );
+        assert_eq!(
+            a.reconcile("ns", "z", 7, EventType::Deleted),
+            Some(EventType::Deleted)
+        );
+        // Existed at the first page's version, deleted before its page was read.
+        assert_eq!(a.reconcile("ns", "y", 8, EventType::Deleted), None);
+    }
+
+    #[test]
+    fn first_change_of_an_unseen_object_is_added() {
+        // Modified after the first page and again after its own page was read at 9.
+        let mut a = announced(&[("a", 5), ("m", 8)]);
+        assert_eq!(a.reconcile("ns", "m", 8, EventType::Modified), None);
+        assert_eq!(
+            a.reconcile("ns", "n", 10, EventType::Modified),
+            Some(EventType::Added)
+        );
+        assert_eq!(
+            a.reconcile("ns", "n", 11, EventType::Modified),
+            Some(EventType::Modified)
+        );
+    }
+
+    #[test]
+    fn namespaces_are_part_of_the_identity() {
+        let mut a = announced(&[("a", 5)]);
+        assert_eq!(
+            a.reconcile("other", "a", 6, EventType::Modified),
+            Some(EventType::Added)
+        );
     }
 }

@@ -81,6 +81,9 @@ pub struct StoreOptions {
     /// namespace UID).
     pub cluster_id: String,
     pub max_connections: u32,
+    /// How long an operation waits for a database connection (and a new connection for the
+    /// server to answer) before it fails; requests then get 503 instead of hanging.
+    pub connect_timeout: Duration,
     /// Change-log entries younger than this are always kept for resuming watches.
     pub watch_history: Duration,
     /// Upper bound on retained change-log entries (the newest are kept).
@@ -97,6 +100,7 @@ impl StoreOptions {
             database_url: database_url.into(),
             cluster_id: "default".into(),
             max_connections: 10,
+            connect_timeout: Duration::from_secs(10),
             watch_history: Duration::from_secs(600),
             watch_history_max_events: 100_000,
             poll_interval: Duration::from_secs(1),
@@ -125,8 +129,8 @@ impl Store {
         connect
             .max_connections(options.max_connections)
             .min_connections(1)
-            .connect_timeout(Duration::from_secs(10))
-            .acquire_timeout(Duration::from_secs(10))
+            .connect_timeout(options.connect_timeout)
+            .acquire_timeout(options.connect_timeout)
             .sqlx_logging(false);
         if options.database_url.starts_with("sqlite:") {
             connect.map_sqlx_sqlite_opts(|o| {

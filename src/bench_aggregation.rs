@@ -1,0 +1,436 @@
+//! `reports-server bench-aggregation`: end-to-end aggregation throughput of a fresh standalone
+//! server with in-process aggregation on.
+//!
+//! For every pod, Kyverno writes two ephemeral reports with the 19 results of the 17 Pod Security
+//! Standards policies: an admission report (random name, no ownerReference, the subject in labels
+//! and annotations) and a background-scan report (owned by the pod, newer results, one rule
+//! failing). They are created through the HTTPS API with the kube-rs client, as Kyverno would,
+//! while the aggregator runs; the clock stops when every ephemeral report has been consumed. The
+//! policy reports are then listed and checked: exactly 19 results per pod, the background results
+//! (newer) everywhere, summaries matching. Prints figures; asserts only correctness.
+//!
+//! Peak memory is the process's VmHWM (server, aggregator and client together). With
+//! `--layout both` each layout runs in a child process of its own, so that each gets its own peak.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use futures::StreamExt;
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use reports_server_aggregator::aggregator::DEFAULT_PAGE_SIZE;
+use reports_server_aggregator::metrics::{Operation, OperationLabels};
+use reports_server_aggregator::queue::DEFAULT_WORKERS;
+use reports_server_aggregator::{AggregatorConfig, Layout, MergeOptions, Metrics, QueueConfig};
+use reports_server_apiserver::aggregation::run_in_process;
+use reports_server_apiserver::http::ApiOptions;
+use reports_server_apiserver::standalone::{self, StandaloneConfig};
+use reports_server_apiserver::store::StoreOptions;
+use reports_server_crds::fixtures::{PSS_RULES, Subject, pss_ephemeral_report};
+use reports_server_crds::{EphemeralReport, PolicyReport};
+use serde_json::Value;
+
+use crate::aggregation_cli::parse_delay;
+
+const T0: i64 = 1_700_000_000;
+
+/// Which layouts to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LayoutChoice {
+    Both,
+    PerResource,
+    PerPolicy,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchAggregationArgs {
+    /// Pods; each gets one admission and one background ephemeral report (~7 KB each).
+    #[arg(long, env = "REPORTS_SERVER_BENCH_PODS", default_value_t = 5_000)]
+    pods: u64,
+    /// Namespaces the pods are spread over.
+    #[arg(long, env = "REPORTS_SERVER_BENCH_NAMESPACES", default_value_t = 50)]
+    namespaces: u64,
+    /// Layout(s) to measure; `both` runs each in its own child process.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_BENCH_LAYOUT",
+        value_enum,
+        default_value = "both"
+    )]
+    layout: LayoutChoice,
+    /// Concurrent create requests.
+    #[arg(long, env = "REPORTS_SERVER_BENCH_CONCURRENCY", default_value_t = 16)]
+    concurrency: usize,
+    /// Aggregation delay (the server's default is 30s; a benchmark wants the merge to keep up).
+    #[arg(long, env = "REPORTS_SERVER_BENCH_AGGREGATION_DELAY", default_value = "1s", value_parser = parse_delay)]
+    aggregation_delay: Duration,
+    /// Namespaces merged in parallel.
+    #[arg(long, env = "REPORTS_SERVER_AGGREGATION_WORKERS", default_value_t = DEFAULT_WORKERS)]
+    aggregation_workers: usize,
+    /// Per-resource layout: resources merged per page.
+    #[arg(long, env = "REPORTS_SERVER_AGGREGATION_PAGE_SIZE", default_value_t = DEFAULT_PAGE_SIZE)]
+    aggregation_page_size: usize,
+    /// Give up if the ephemeral reports are not all consumed within this time.
+    #[arg(long, env = "REPORTS_SERVER_BENCH_TIMEOUT", default_value = "30m", value_parser = parse_delay)]
+    timeout: Duration,
+    /// Database to benchmark [default: a fresh SQLite file in a temporary directory].
+    #[arg(long, env = "REPORTS_SERVER_BENCH_DATABASE_URL")]
+    database_url: Option<String>,
+}
+
+/// Figures of one run.
+struct Figures {
+    layout: Layout,
+    create_secs: f64,
+    total_secs: f64,
+    ephemerals: u64,
+    final_reports: usize,
+    results: usize,
+    results_written: u64,
+    writes: u64,
+    peak_rss_kib: Option<u64>,
+}
+
+impl Figures {
+    fn row(&self) -> String {
+        let rss = self
+            .peak_rss_kib
+            .map_or_else(|| "n/a".into(), |k| format!("{:.0} MiB", k as f64 / 1024.0));
+        format!(
+            "| {} | {} | {:.1} s | {:.1} s | {:.0} | {} | {} | {} | {rss} | {} |",
+            self.layout,
+            self.ephemerals,
+            self.create_secs,
+            self.total_secs,
+            self.ephemerals as f64 / self.total_secs,
+            self.final_reports,
+            self.results,
+            self.results_written,
+            self.writes,
+        )
+    }
+}
+
+const HEADER: &str = "| layout | ephemeral reports | create phase | until all consumed | ephemeral reports/s consumed | policy reports | results in them | results written (all passes) | peak RSS | report writes (create+update+delete) |\n|---|---|---|---|---|---|---|---|---|---|";
+
+/// `VmHWM` of this process, in KiB.
+fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+pub async fn run(args: BenchAggregationArgs) -> anyhow::Result<()> {
+    let layouts = match args.layout {
+        LayoutChoice::PerResource => {
+            return run_one(&args, Layout::PerResource).await.map(|f| {
+                println!("{HEADER}\n{}", f.row());
+            });
+        }
+        LayoutChoice::PerPolicy => {
+            return run_one(&args, Layout::PerPolicy).await.map(|f| {
+                println!("{HEADER}\n{}", f.row());
+            });
+        }
+        LayoutChoice::Both => ["per-resource", "per-policy"],
+    };
+    let exe = std::env::current_exe().context("cannot find this executable to re-run it")?;
+    let mut rows = Vec::new();
+    for layout in layouts {
+        eprintln!("== layout {layout} (child process) ==");
+        let mut cmd = Command::new(&exe);
+        cmd.arg("bench-aggregation")
+            .args(["--layout", layout])
+            .args(["--pods", &args.pods.to_string()])
+            .args(["--namespaces", &args.namespaces.to_string()])
+            .args(["--concurrency", &args.concurrency.to_string()])
+            .args([
+                "--aggregation-delay",
+                &format!("{}ms", args.aggregation_delay.as_millis()),
+            ])
+            .args([
+                "--aggregation-workers",
+                &args.aggregation_workers.to_string(),
+            ])
+            .args([
+                "--aggregation-page-size",
+                &args.aggregation_page_size.to_string(),
+            ])
+            .args(["--timeout", &format!("{}s", args.timeout.as_secs())])
+            .stderr(Stdio::inherit());
+        if let Some(url) = &args.database_url {
+            cmd.args(["--database-url", url]);
+        }
+        let out = cmd
+            .output()
+            .context("cannot run the benchmark child process")?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!("the {layout} run failed ({}):\n{stdout}", out.status);
+        }
+        rows.extend(
+            stdout
+                .lines()
+                .filter(|l| l.starts_with(&format!("| {layout} |")))
+                .map(str::to_owned),
+        );
+    }
+    println!("{HEADER}");
+    for row in rows {
+        println!("{row}");
+    }
+    Ok(())
+}
+
+/// An admission report for `subject` as Kyverno's webhook writes it: generateName-style name,
+/// no ownerReference, the subject in labels (uid, gvr, group/version/kind) and annotations.
+fn admission_report(subject: &Subject, n: u64) -> EphemeralReport {
+    let mut report = pss_ephemeral_report(subject, T0, &[]);
+    let meta = &mut report.metadata;
+    meta.name = Some(format!(
+        "{:08x}-ad{n:06}-{:05x}",
+        n * 2_654_435_761 % 0xffff_ffff,
+        n % 0xfffff
+    ));
+    meta.owner_references = None;
+    let labels = meta.labels.get_or_insert_with(Default::default);
+    labels.insert("audit.kyverno.io/source".into(), "admission".into());
+    labels.insert("audit.kyverno.io/resource.gvr".into(), "pods.v1".into());
+    meta.annotations
+        .get_or_insert_with(Default::default)
+        .insert(
+            "audit.kyverno.io/resource.namespace".into(),
+            subject.namespace.clone(),
+        );
+    report
+}
+
+async fn client_for(kubeconfig: &std::path::Path) -> anyhow::Result<kube::Client> {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig).context("read kubeconfig")?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .context("load kubeconfig")?;
+    Ok(kube::Client::try_from(config)?)
+}
+
+async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<Figures> {
+    let dir = tempfile::tempdir()?;
+    let url = args.database_url.clone().unwrap_or_else(|| {
+        format!(
+            "sqlite://{}?mode=rwc",
+            dir.path().join("bench.db").display()
+        )
+    });
+    let server = standalone::start(StandaloneConfig {
+        data_dir: dir.path().to_owned(),
+        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+        store: StoreOptions::new(url),
+        api: ApiOptions::default(),
+        kubeconfig: dir.path().join("kubeconfig"),
+        auth: Default::default(),
+        serving: None,
+        serving_names: Vec::new(),
+    })
+    .await?;
+    let metrics = server.metrics.register(Metrics::register);
+    let config = AggregatorConfig {
+        queue: QueueConfig {
+            delay: args.aggregation_delay,
+            workers: args.aggregation_workers.max(1),
+            ..QueueConfig::default()
+        },
+        merge: MergeOptions {
+            layout,
+            ..MergeOptions::default()
+        },
+        page_size: args.aggregation_page_size.max(1),
+    };
+    let aggregation = tokio::spawn(run_in_process(
+        server.store.clone(),
+        config,
+        metrics.clone(),
+        server.shutdown_token(),
+    ));
+    let client = client_for(&server.kubeconfig).await?;
+    let ephemerals = args.pods * 2;
+    eprintln!(
+        "{layout}: {} pods in {} namespaces, {ephemerals} ephemeral reports of ~{} bytes, backend {:?}, aggregation delay {:?}, {} workers",
+        args.pods,
+        args.namespaces,
+        serde_json::to_vec(&admission_report(&Subject::pod("ns-0", 0), 0))?.len(),
+        server.store.backend(),
+        args.aggregation_delay,
+        args.aggregation_workers
+    );
+
+    let started = Instant::now();
+    let namespaces = args.namespaces.max(1);
+    let mut creates = futures::stream::iter(0..args.pods)
+        .flat_map(|i| futures::stream::iter([(i, true), (i, false)]))
+        .map(|(i, admission)| {
+            let ns = format!("ns-{}", i % namespaces);
+            let api: Api<EphemeralReport> = Api::namespaced(client.clone(), &ns);
+            async move {
+                let subject = Subject::pod(&ns, i);
+                let report = if admission {
+                    admission_report(&subject, i)
+                } else {
+                    // The background scan ran later and found one rule failing.
+                    pss_ephemeral_report(
+                        &subject,
+                        T0 + 30,
+                        &[(i % PSS_RULES.len() as u64) as usize],
+                    )
+                };
+                api.create(&PostParams::default(), &report).await
+            }
+        })
+        .buffer_unordered(args.concurrency.max(1));
+    let mut created = 0u64;
+    while let Some(result) = creates.next().await {
+        result.context("create failed")?;
+        created += 1;
+        if created.is_multiple_of(1000) || created == ephemerals {
+            eprint!(
+                "\r  created {created}/{ephemerals}, consumed {}",
+                metrics.ephemeral_reports_deleted.get()
+            );
+        }
+    }
+    let create_secs = started.elapsed().as_secs_f64();
+    eprintln!();
+
+    let all_ephemerals: Api<DynamicObject> = Api::all_with(
+        client.clone(),
+        &kube::api::ApiResource::erase::<EphemeralReport>(&()),
+    );
+    loop {
+        let consumed = metrics.ephemeral_reports_deleted.get();
+        if consumed >= ephemerals {
+            // Confirm through the API that none is left.
+            let left = all_ephemerals
+                .list_metadata(&ListParams::default().limit(1))
+                .await?;
+            if left.items.is_empty() {
+                break;
+            }
+        }
+        if started.elapsed() > args.timeout {
+            bail!(
+                "{layout}: only {consumed} of {ephemerals} ephemeral reports consumed after {:?}",
+                args.timeout
+            );
+        }
+        eprint!("\r  consumed {consumed}/{ephemerals}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let total_secs = started.elapsed().as_secs_f64();
+    eprintln!("\r  consumed {ephemerals}/{ephemerals} after {total_secs:.1} s");
+
+    let (final_reports, results) = verify(&client, layout, args.pods).await?;
+    let writes = [Operation::Create, Operation::Update, Operation::Delete]
+        .into_iter()
+        .map(|operation| {
+            metrics
+                .reports_written
+                .get_or_create(&OperationLabels { operation })
+                .get()
+        })
+        .sum();
+    let figures = Figures {
+        layout,
+        create_secs,
+        total_secs,
+        ephemerals,
+        final_reports,
+        results,
+        results_written: metrics.results_merged.get(),
+        writes,
+        peak_rss_kib: peak_rss_kib(),
+    };
+    server.shutdown().await;
+    let _ = aggregation.await;
+    eprintln!(
+        "{layout}: every pod has its 19 results exactly once, background (newer) results won, summaries match"
+    );
+    Ok(figures)
+}
+
+/// Lists the policy reports and checks that they hold exactly the expected results. Returns
+/// (number of reports, number of results).
+async fn verify(
+    client: &kube::Client,
+    layout: Layout,
+    pods: u64,
+) -> anyhow::Result<(usize, usize)> {
+    let api: Api<PolicyReport> = Api::all(client.clone());
+    let mut params = ListParams::default().limit(500);
+    let mut reports = 0usize;
+    // subject uid → rules seen
+    let mut per_subject: BTreeMap<String, HashSet<(String, String)>> = BTreeMap::new();
+    let mut results = 0usize;
+    loop {
+        let page = api.list(&params).await?;
+        for report in &page.items {
+            reports += 1;
+            let list = report.results.as_deref().unwrap_or_default();
+            let summary = serde_json::to_value(report.summary.as_ref())?;
+            let counted = |what: &str| {
+                list.iter()
+                    .filter(|r| {
+                        serde_json::to_value(r.result.as_ref()).ok() == Some(Value::from(what))
+                    })
+                    .count() as u64
+            };
+            for what in ["pass", "fail"] {
+                if summary[what].as_u64() != Some(counted(what)) {
+                    bail!(
+                        "{:?}: summary.{what} is {} but {} results say {what}",
+                        report.metadata.name,
+                        summary[what],
+                        counted(what)
+                    );
+                }
+            }
+            for r in list {
+                results += 1;
+                let uid = match layout {
+                    Layout::PerResource => report.scope.as_ref().and_then(|s| s.uid.clone()),
+                    Layout::PerPolicy => r
+                        .resources
+                        .as_ref()
+                        .and_then(|v| v.first())
+                        .and_then(|s| s.uid.clone()),
+                }
+                .context("a result without subject")?;
+                if r.timestamp.as_ref().map(|t| t.seconds) != Some(T0 + 30) {
+                    bail!("{uid}: an older (admission) result won: {r:?}");
+                }
+                let key = (r.policy.clone(), r.rule.clone().unwrap_or_default());
+                if !per_subject.entry(uid.clone()).or_default().insert(key) {
+                    bail!("{uid}: result {}/{:?} stored twice", r.policy, r.rule);
+                }
+            }
+        }
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(c) => params = params.continue_token(&c),
+            None => break,
+        }
+    }
+    if per_subject.len() as u64 != pods {
+        bail!("results for {} pods, expected {pods}", per_subject.len());
+    }
+    if let Some((uid, rules)) = per_subject.iter().find(|(_, r)| r.len() != PSS_RULES.len()) {
+        bail!(
+            "{uid}: {} results, expected {}",
+            rules.len(),
+            PSS_RULES.len()
+        );
+    }
+    Ok((reports, results))
+}
