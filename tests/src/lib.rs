@@ -5,6 +5,7 @@
 
 pub mod controlplane;
 pub mod kubectl;
+pub mod objects;
 pub mod postgres;
 pub mod server;
 

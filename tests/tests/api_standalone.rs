@@ -12,6 +12,7 @@ use kube::api::{
 use reports_server_crds::PolicyReport;
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
 use reports_server_tests::Backend;
+use reports_server_tests::objects::api_error;
 use reports_server_tests::server::ServerProcess;
 use serde_json::json;
 
@@ -28,13 +29,6 @@ fn report(ns: &str, n: u64) -> PolicyReport {
     let mut r = pss_policy_report(&Subject::pod(ns, n), 1_700_000_000, &[n as usize % 19]);
     r.metadata.name = Some(format!("report-{n:05}"));
     r
-}
-
-fn api_error(e: kube::Error) -> (u16, String) {
-    match e {
-        kube::Error::Api(s) => (s.code, s.reason),
-        other => panic!("expected an API error, got {other}"),
-    }
 }
 
 async fn raw(

@@ -27,6 +27,7 @@ use reports_server_crds::ResourceDescriptor;
 use reports_server_crds::catalog;
 use reports_server_tests::Backend;
 use reports_server_tests::kubectl::Kubectl;
+use reports_server_tests::objects::{api_error, list_rv, name_of, rv_of};
 use reports_server_tests::server::ServerProcess;
 use serde_json::{Value, json};
 
@@ -162,28 +163,8 @@ fn polr(name: &str, labels: &[(&str, &str)], pass: i64) -> DynamicObject {
     dynamic(report(&catalog::POLICY_REPORT, name, labels, pass))
 }
 
-fn rv_of(o: &DynamicObject) -> u64 {
-    o.metadata
-        .resource_version
-        .as_deref()
-        .expect("resourceVersion")
-        .parse()
-        .expect("numeric resourceVersion")
-}
-
 fn pass_of(o: &DynamicObject) -> i64 {
     o.data["summary"]["pass"].as_i64().unwrap_or(-1)
-}
-
-fn name_of(o: &DynamicObject) -> String {
-    o.metadata.name.clone().unwrap_or_default()
-}
-
-fn api_error(e: kube::Error) -> (u16, String) {
-    match e {
-        kube::Error::Api(s) => (s.code, s.reason),
-        other => panic!("expected an API error, got {other}"),
-    }
 }
 
 /// A request no client library shapes for us: returns status, headers and body.
@@ -322,18 +303,6 @@ fn names(events: &[Seen], kind: &str) -> BTreeSet<String> {
 
 fn has(events: &[Seen], kind: &str, name: &str) -> bool {
     events.iter().any(|e| e.kind == kind && e.name == name)
-}
-
-/// The list resourceVersion of a kind: what a client treats as "now".
-async fn list_rv(api: &Api<DynamicObject>) -> u64 {
-    api.list(&ListParams::default().limit(1))
-        .await
-        .unwrap()
-        .metadata
-        .resource_version
-        .unwrap()
-        .parse()
-        .unwrap()
 }
 
 /// Runs `psql -c sql` against the PostgreSQL holding `database_url`, as its administrator.

@@ -28,6 +28,7 @@ use reports_server_apiserver::store::write_target::Target;
 use reports_server_apiserver::store::{EventType, Mutation, Store, StoreError, StoreOptions};
 use reports_server_crds::catalog::POLICY_REPORT;
 use reports_server_tests::Backend;
+use reports_server_tests::objects::rv_of;
 use reports_server_tests::server::ServerProcess;
 use serde_json::{Value, json};
 
@@ -104,15 +105,6 @@ fn key_of(o: &DynamicObject) -> Key {
         o.metadata.namespace.clone().unwrap_or_default(),
         o.metadata.name.clone().unwrap_or_default(),
     )
-}
-
-fn rv_of(o: &DynamicObject) -> u64 {
-    o.metadata
-        .resource_version
-        .as_deref()
-        .unwrap()
-        .parse()
-        .unwrap()
 }
 
 async fn start(backend: Backend, dir: &std::path::Path, extra: &[&str]) -> ServerProcess {

@@ -14,12 +14,13 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use kube::api::{
-    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
-    Preconditions, WatchEvent, WatchParams,
+    Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions,
+    WatchEvent, WatchParams,
 };
 use kube::runtime::watcher;
 use reports_server_crds::catalog::POLICY_REPORT;
 use reports_server_tests::Backend;
+use reports_server_tests::objects::{list_rv, name_of, rv_of};
 use reports_server_tests::server::ServerProcess;
 use serde_json::json;
 
@@ -55,30 +56,6 @@ fn report(name: &str, pass: i64) -> DynamicObject {
         "summary": {"pass": pass, "fail": 0, "warn": 0, "error": 0, "skip": 0},
     }))
     .unwrap()
-}
-
-fn rv_of(o: &DynamicObject) -> u64 {
-    o.metadata
-        .resource_version
-        .as_deref()
-        .unwrap()
-        .parse()
-        .unwrap()
-}
-
-fn name_of(o: &DynamicObject) -> String {
-    o.metadata.name.clone().unwrap()
-}
-
-async fn list_rv(api: &Api<DynamicObject>) -> u64 {
-    api.list(&ListParams::default().limit(1))
-        .await
-        .unwrap()
-        .metadata
-        .resource_version
-        .unwrap()
-        .parse()
-        .unwrap()
 }
 
 /// (event type, name, rv) of raw watch events until one with `rv >= until`.
