@@ -502,6 +502,33 @@ impl Env {
                 .await
                 .with_context(|| self.diagnostics())?;
         }
+        // `Available` comes from kube-aggregator's availability controller, the proxy route from
+        // another controller: for a moment after `Available` the group can still be a plain
+        // "404 page not found" (seen in CI). Wait until kube-apiserver routes every group.
+        let deadline = Instant::now() + AVAILABLE_TIMEOUT;
+        for name in API_SERVICES {
+            let (version, group) = name
+                .split_once('.')
+                .expect("APIService names are <version>.<group>");
+            let path = format!("/apis/{group}/{version}");
+            loop {
+                let request = http::Request::get(&path).body(Vec::new())?;
+                match self.client.request_text(request).await {
+                    Ok(_) => break,
+                    Err(_) if Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(100)).await
+                    }
+                    Err(e) => {
+                        return Err(e).with_context(|| {
+                            format!(
+                                "GET {path} through kube-apiserver after {name} became Available\n{}",
+                                self.diagnostics()
+                            )
+                        });
+                    }
+                }
+            }
+        }
         Ok(())
     }
 
