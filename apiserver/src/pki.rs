@@ -46,19 +46,36 @@ impl StandalonePki {
     }
 }
 
+/// Writes through a temporary file renamed over `path`: a reader (kubectl, a script waiting
+/// for the kubeconfig to appear) never sees a half-written file, and keys and the kubeconfig
+/// are created 0600 instead of being readable until a later chmod.
 fn write_private(path: &Path, contents: &str) -> Result<(), PkiError> {
-    std::fs::write(path, contents).map_err(|e| PkiError::Write(path.to_owned(), e))?;
+    use std::io::Write as _;
+    let fail = |e: std::io::Error| PkiError::Write(path.to_owned(), e);
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| fail(std::io::Error::other("the path has no file name")))?;
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        file_name.to_string_lossy(),
+        std::process::id()
+    ));
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
     #[cfg(unix)]
     {
-        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::fs::OpenOptionsExt;
         if path.extension().is_some_and(|e| e == "key")
             || path.file_name().is_some_and(|n| n == "kubeconfig")
         {
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-                .map_err(|e| PkiError::Write(path.to_owned(), e))?;
+            options.mode(0o600);
         }
     }
-    Ok(())
+    let mut file = options.open(&tmp).map_err(fail)?;
+    file.write_all(contents.as_bytes()).map_err(fail)?;
+    file.sync_all().map_err(fail)?;
+    drop(file);
+    std::fs::rename(&tmp, path).map_err(fail)
 }
 
 fn read(path: &Path) -> Result<String, PkiError> {
