@@ -4,7 +4,9 @@
 //! A test that lacks a dependency fails with a message naming what to install; none skips.
 
 pub mod controlplane;
+pub mod delegated;
 pub mod kubectl;
+pub mod kyverno;
 pub mod objects;
 pub mod postgres;
 pub mod server;

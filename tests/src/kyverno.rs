@@ -1,0 +1,682 @@
+//! A real Kyverno (admission controller, reports controller, background controller) as plain
+//! processes next to the Go-built control plane, the way `docs/kyverno.md` describes running it
+//! out of cluster.
+//!
+//! The binaries and Kyverno's own CRDs come from `tests/kyverno/build.sh` (Go module proxy,
+//! cached by version; see docs/e2e.md), or from a directory named by
+//! `REPORTS_SERVER_KYVERNO_DIR` with the same layout (`bin/`, `crds/`).
+//!
+//! [`Kyverno::install`] needs a running [`ControlPlane`] (with kube-controller-manager) and
+//! reports-server already behind the APIServices: it installs Kyverno's CRDs (only `kyverno.io`
+//! and `policies.kyverno.io`; the report groups are served by reports-server), the `kyverno`
+//! namespace, the `kyverno` ConfigMap with the Helm chart's default resource filters, the
+//! service accounts with a cluster-admin binding, starts the three controllers and returns once
+//! the admission webhook is registered and answers.
+
+use std::{
+    collections::VecDeque,
+    fs::{self, OpenOptions},
+    io::Write as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+
+use crate::{
+    controlplane::{ControlPlane, spawn_tied_to_test, workspace_root},
+    kubectl::Kubectl,
+    server::free_port,
+};
+
+/// The Kyverno release the suite runs (pinned in `tests/kyverno/build.sh`).
+pub const KYVERNO_VERSION: &str = "v1.19.1";
+/// A directory with `bin/{kyverno,reports-controller,background-controller}` and
+/// `crds/{kyverno,policies.kyverno.io}/*.yaml`; the build script is not run when it is set.
+pub const DIR_ENV: &str = "REPORTS_SERVER_KYVERNO_DIR";
+/// Kyverno's namespace.
+pub const NAMESPACE: &str = "kyverno";
+/// Kyverno's CRD directories the harness installs (the report groups are served by us).
+pub const CRD_DIRS: [&str; 2] = ["kyverno", "policies.kyverno.io"];
+
+/// The Helm chart's default `config.resourceFilters` (charts/kyverno/values.yaml), rendered as
+/// Kyverno reads them: one string of `[kind,namespace,name]` triples. They keep kube-system,
+/// Events, Nodes, ReplicaSets and the ephemeral reports out of admission.
+pub const RESOURCE_FILTERS: &str = "[Event,*,*][*/*,kube-system,*][*/*,kube-public,*]\
+[*/*,kube-node-lease,*][Node,*,*][Node/?*,*,*][APIService,*,*][APIService/?*,*,*]\
+[TokenReview,*,*][SubjectAccessReview,*,*][SelfSubjectAccessReview,*,*][Binding,*,*]\
+[Pod/binding,*,*][ReplicaSet,*,*][ReplicaSet/?*,*,*][EphemeralReport,*,*]\
+[ClusterEphemeralReport,*,*]";
+
+/// Log lines that mean a client-go watch could not be (re)started on our server: the
+/// RetryWatcher refusing `resourceVersion: "0"` (the list of an empty database answered "0"),
+/// or a reflector failing to list or watch.
+pub const WATCH_ERROR_PATTERNS: [&str; 5] = [
+    "initial RV",
+    "RetryWatcher",
+    "Failed to watch",
+    "failed to list",
+    "Failed to list",
+];
+
+/// One of the three Kyverno processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Controller {
+    /// `cmd/kyverno`: the admission webhooks (validate, mutate, policy validation).
+    Admission,
+    /// `cmd/reports-controller`: background scans and (unless `--aggregateReports=false`) the
+    /// aggregation of ephemeral reports into policy reports.
+    Reports,
+    /// `cmd/background-controller`: generate and mutate-existing policies.
+    Background,
+}
+
+impl Controller {
+    pub const ALL: [Controller; 3] = [
+        Controller::Admission,
+        Controller::Reports,
+        Controller::Background,
+    ];
+
+    /// The binary (and log file stem).
+    pub fn binary(self) -> &'static str {
+        match self {
+            Controller::Admission => "kyverno",
+            Controller::Reports => "reports-controller",
+            Controller::Background => "background-controller",
+        }
+    }
+
+    /// The service account name the chart gives the controller.
+    pub fn service_account(self) -> &'static str {
+        match self {
+            Controller::Admission => "kyverno-admission-controller",
+            Controller::Reports => "kyverno-reports-controller",
+            Controller::Background => "kyverno-background-controller",
+        }
+    }
+}
+
+impl std::fmt::Display for Controller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.binary())
+    }
+}
+
+/// How Kyverno is run.
+#[derive(Clone, Debug)]
+pub struct KyvernoOptions {
+    /// `--aggregateReports` of the reports controller: `true` = Kyverno merges ephemeral reports
+    /// into policy reports (reports-server then runs with `--aggregation=false`); `false` =
+    /// reports-server aggregates in-process.
+    pub aggregate_reports: bool,
+    /// `--backgroundScanInterval` of the reports controller (Kyverno's default is 1h).
+    pub background_scan_interval: Duration,
+    /// More arguments for the reports controller.
+    pub extra_reports_args: Vec<String>,
+    /// How long start-up may take (webhook registered and answering).
+    pub startup_timeout: Duration,
+}
+
+impl Default for KyvernoOptions {
+    fn default() -> Self {
+        KyvernoOptions {
+            aggregate_reports: true,
+            background_scan_interval: Duration::from_secs(60),
+            extra_reports_args: Vec::new(),
+            startup_timeout: Duration::from_secs(240),
+        }
+    }
+}
+
+struct Proc {
+    controller: Controller,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+    child: Option<Child>,
+    starts: u32,
+}
+
+impl Proc {
+    fn spawn(&mut self, bin: &Path) -> Result<()> {
+        self.starts += 1;
+        let mut log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        writeln!(log, "===== e2e: start #{} =====", self.starts)?;
+        let mut cmd = Command::new(bin);
+        cmd.args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let child = spawn_tied_to_test(cmd)
+            .with_context(|| format!("starting {} ({})", self.controller, bin.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Fails if the process has exited.
+    fn check_running(&mut self) -> Result<()> {
+        if let Some(status) = self
+            .child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+        {
+            self.child = None;
+            bail!(
+                "Kyverno's {} exited with {status}; args: {:?}\n--- last lines of {} ---\n{}",
+                self.controller,
+                self.args,
+                self.log.display(),
+                tail_file(&self.log, 40)
+            );
+        }
+        ensure!(
+            self.child.is_some(),
+            "Kyverno's {} is not running",
+            self.controller
+        );
+        Ok(())
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        if let Some(pid) = self
+            .child
+            .as_ref()
+            .and_then(|c| libc::pid_t::try_from(c.id()).ok())
+        {
+            // SAFETY: plain syscall on our own, not yet reaped child.
+            unsafe {
+                libc::kill(pid, signal);
+            }
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The three Kyverno controllers, running against a [`ControlPlane`].
+pub struct Kyverno {
+    dir: PathBuf,
+    kubectl: Kubectl,
+    procs: Vec<Proc>,
+    webhook_port: u16,
+}
+
+impl Kyverno {
+    /// Installs Kyverno's CRDs, namespace, ConfigMap and service accounts, starts the three
+    /// controllers and waits until the admission webhook is registered and answers.
+    /// Logs go to `<control plane dir>/logs/kyverno-<binary>.log`.
+    pub async fn install(cp: &ControlPlane, opts: KyvernoOptions) -> Result<Kyverno> {
+        let t0 = Instant::now();
+        let dir = kyverno_dir().await?;
+        let kubectl = Kubectl::new(cp.kubeconfig_path());
+
+        // CRDs of Kyverno's own groups. Server-side apply: the CRDs are larger than the
+        // last-applied annotation allows.
+        let mut args = vec!["apply", "--server-side", "--force-conflicts"];
+        let crd_dirs: Vec<String> = CRD_DIRS
+            .iter()
+            .map(|d| dir.join("crds").join(d).display().to_string())
+            .collect();
+        for d in &crd_dirs {
+            args.extend(["-f", d.as_str()]);
+        }
+        kubectl.run(&args).context("installing Kyverno's CRDs")?;
+        kubectl
+            .run(&[
+                "wait",
+                "--for=condition=Established",
+                "crd",
+                "--all",
+                "--timeout=120s",
+            ])
+            .context("waiting for Kyverno's CRDs")?;
+
+        let mut objects = format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {NAMESPACE}\n---\n\
+             apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: kyverno\n  namespace: {NAMESPACE}\n\
+             data:\n  resourceFilters: '{RESOURCE_FILTERS}'\n---\n\
+             apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n  \
+             name: kyverno-e2e-admin\nroleRef:\n  apiGroup: rbac.authorization.k8s.io\n  \
+             kind: ClusterRole\n  name: cluster-admin\nsubjects:\n"
+        );
+        for c in Controller::ALL {
+            objects.push_str(&format!(
+                "- kind: ServiceAccount\n  name: {}\n  namespace: {NAMESPACE}\n",
+                c.service_account()
+            ));
+        }
+        for c in Controller::ALL {
+            objects.push_str(&format!(
+                "---\napiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: {}\n  namespace: {NAMESPACE}\n",
+                c.service_account()
+            ));
+        }
+        kubectl
+            .run_with_stdin(&["apply", "-f", "-"], Some(&objects))
+            .context("creating Kyverno's namespace, ConfigMap and service accounts")?;
+
+        let log_dir = cp.dir().join("logs");
+        fs::create_dir_all(&log_dir)?;
+        let webhook_port = free_port();
+        let kubeconfig = cp.kubeconfig_path().display().to_string();
+        let sa =
+            |c: Controller| format!("system:serviceaccount:{NAMESPACE}:{}", c.service_account());
+        let common = |c: Controller| -> Vec<String> {
+            vec![
+                format!("--kubeconfig={kubeconfig}"),
+                // Every binary listens for metrics on :8000 by default and exits if it cannot
+                // (`--disableMetrics` only stops the export): one free loopback port each.
+                "--metricsHost=127.0.0.1".into(),
+                format!("--metricsPort={}", free_port()),
+                "--enablePolicyException=true".into(),
+                "--exceptionNamespace=*".into(),
+                "--loggingFormat=text".into(),
+                "--disableLogColor=true".into(),
+                "-v=2".into(),
+                format!(
+                    "--clientRateLimitQPS={}",
+                    if c == Controller::Reports { 300 } else { 100 }
+                ),
+                format!(
+                    "--clientRateLimitBurst={}",
+                    if c == Controller::Reports { 300 } else { 200 }
+                ),
+            ]
+        };
+        let mut procs = Vec::new();
+        for c in Controller::ALL {
+            let mut args = common(c);
+            match c {
+                Controller::Admission => args.extend([
+                    format!("--serverIP=127.0.0.1:{webhook_port}"),
+                    "--webhookServerHost=127.0.0.1".into(),
+                    format!("--webhookServerPort={webhook_port}"),
+                    "--caSecretName=kyverno-svc.kyverno.svc.kyverno-tls-ca".into(),
+                    "--tlsSecretName=kyverno-svc.kyverno.svc.kyverno-tls-pair".into(),
+                    format!(
+                        "--backgroundServiceAccountName={}",
+                        sa(Controller::Background)
+                    ),
+                    format!("--reportsServiceAccountName={}", sa(Controller::Reports)),
+                    "--controllerRuntimeMetricsAddress=0".into(),
+                    "--admissionReports=true".into(),
+                ]),
+                Controller::Reports => {
+                    args.extend([
+                        format!("--aggregateReports={}", opts.aggregate_reports),
+                        "--admissionReports=true".into(),
+                        "--backgroundScan=true".into(),
+                        // wgpolicyk8s.io and reports.kyverno.io are APIServices, not CRDs.
+                        "--reportsCRDsSanityChecks=false".into(),
+                        format!(
+                            "--backgroundScanInterval={}s",
+                            opts.background_scan_interval.as_secs().max(1)
+                        ),
+                    ]);
+                    args.extend(opts.extra_reports_args.iter().cloned());
+                }
+                Controller::Background => {
+                    args.push("--controllerRuntimeMetricsAddress=0".into());
+                }
+            }
+            let env = vec![
+                ("KYVERNO_NAMESPACE".to_string(), NAMESPACE.to_string()),
+                ("INIT_CONFIG".into(), "kyverno".into()),
+                ("METRICS_CONFIG".into(), "kyverno-metrics".into()),
+                (
+                    "KYVERNO_SERVICEACCOUNT_NAME".into(),
+                    c.service_account().into(),
+                ),
+                ("KYVERNO_DEPLOYMENT".into(), c.service_account().into()),
+                (
+                    "KYVERNO_POD_NAME".into(),
+                    format!("{}-e2e", c.service_account()),
+                ),
+            ];
+            procs.push(Proc {
+                controller: c,
+                args,
+                env,
+                log: log_dir.join(format!("kyverno-{}.log", c.binary())),
+                child: None,
+                starts: 0,
+            });
+        }
+        let mut kyverno = Kyverno {
+            dir,
+            kubectl,
+            procs,
+            webhook_port,
+        };
+        for c in Controller::ALL {
+            let bin = kyverno.bin(c);
+            kyverno.proc_mut(c).spawn(&bin)?;
+        }
+        kyverno.wait_webhook(opts.startup_timeout).await?;
+        eprintln!(
+            "[kyverno] {KYVERNO_VERSION} installed and admission webhook answering in {:.1?} \
+             (aggregateReports={}, webhook on 127.0.0.1:{webhook_port})",
+            t0.elapsed(),
+            opts.aggregate_reports
+        );
+        Ok(kyverno)
+    }
+
+    fn bin(&self, c: Controller) -> PathBuf {
+        self.dir.join("bin").join(c.binary())
+    }
+
+    fn proc(&self, c: Controller) -> &Proc {
+        self.procs
+            .iter()
+            .find(|p| p.controller == c)
+            .expect("all controllers have a process")
+    }
+
+    fn proc_mut(&mut self, c: Controller) -> &mut Proc {
+        self.procs
+            .iter_mut()
+            .find(|p| p.controller == c)
+            .expect("all controllers have a process")
+    }
+
+    /// Fails (with the log tail) if any controller has exited.
+    pub fn check_running(&mut self) -> Result<()> {
+        for p in &mut self.procs {
+            p.check_running()?;
+        }
+        Ok(())
+    }
+
+    /// The log file of a controller (appended across restarts; each start begins with a
+    /// `===== e2e: start #N =====` line).
+    pub fn log_path(&self, c: Controller) -> PathBuf {
+        self.proc(c).log.clone()
+    }
+
+    /// The last `lines` lines of a controller's log.
+    pub fn log_tail(&self, c: Controller, lines: usize) -> String {
+        tail_file(&self.proc(c).log, lines)
+    }
+
+    /// The tails of all three logs, for failure messages.
+    pub fn diagnostics(&self, lines: usize) -> String {
+        Controller::ALL
+            .iter()
+            .map(|c| {
+                format!(
+                    "--- {} ({}) ---\n{}",
+                    c,
+                    self.log_path(*c).display(),
+                    self.log_tail(*c, lines)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Lines of any controller's log that contain `pattern`, as `<controller>: <line>`.
+    pub fn log_contains(&self, pattern: &str) -> Vec<String> {
+        self.log_lines_matching(&Controller::ALL, pattern, false)
+    }
+
+    /// Lines of the given controllers' logs containing `pattern`; with `current_start_only`,
+    /// only the lines written since the controller's latest (re)start.
+    pub fn log_lines_matching(
+        &self,
+        controllers: &[Controller],
+        pattern: &str,
+        current_start_only: bool,
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        for c in controllers {
+            let p = self.proc(*c);
+            let text = fs::read_to_string(&p.log).unwrap_or_default();
+            let marker = format!("===== e2e: start #{} =====", p.starts);
+            let text = if current_start_only {
+                text.split_once(&marker).map(|(_, t)| t).unwrap_or(&text)
+            } else {
+                &text
+            };
+            out.extend(
+                text.lines()
+                    .filter(|l| l.contains(pattern))
+                    .map(|l| format!("{c}: {l}")),
+            );
+        }
+        out
+    }
+
+    /// Lines matching any of [`WATCH_ERROR_PATTERNS`] in the given controllers' logs.
+    pub fn watch_errors(
+        &self,
+        controllers: &[Controller],
+        current_start_only: bool,
+    ) -> Vec<String> {
+        WATCH_ERROR_PATTERNS
+            .iter()
+            .flat_map(|p| self.log_lines_matching(controllers, p, current_start_only))
+            .collect()
+    }
+
+    /// The process id of a running controller.
+    pub fn pid(&self, c: Controller) -> Option<u32> {
+        self.proc(c).child.as_ref().map(Child::id)
+    }
+
+    /// Stops a controller gracefully (SIGTERM, as a rolling update does; SIGKILL after 30 s)
+    /// and starts it again with the same arguments.
+    pub async fn restart(&mut self, c: Controller) -> Result<()> {
+        let t0 = Instant::now();
+        {
+            let p = self.proc_mut(c);
+            p.signal(libc::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while let Some(child) = p.child.as_mut() {
+                if child.try_wait()?.is_some() {
+                    p.child = None;
+                    break;
+                }
+                if Instant::now() > deadline {
+                    p.kill();
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        let bin = self.bin(c);
+        self.proc_mut(c).spawn(&bin)?;
+        eprintln!(
+            "[kyverno] {c} stopped and started again in {:.1?}",
+            t0.elapsed()
+        );
+        Ok(())
+    }
+
+    /// Waits until Kyverno's policy-validating webhook configuration exists and a server-side
+    /// dry-run of an invalid ClusterPolicy is denied by Kyverno's webhook.
+    async fn wait_webhook(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        // Schema-valid but semantically invalid (two rules with one name): only Kyverno's
+        // policy webhook rejects it.
+        let rule = serde_json::json!({
+            "name": "dup",
+            "match": {"any": [{"resources": {"kinds": ["ConfigMap"]}}]},
+            "validate": {"message": "probe", "pattern": {"metadata": {"name": "?*"}}},
+        });
+        let probe = serde_json::json!({
+            "apiVersion": "kyverno.io/v1",
+            "kind": "ClusterPolicy",
+            "metadata": {"name": "e2e-webhook-probe"},
+            "spec": {"background": false, "rules": [rule.clone(), rule]},
+        })
+        .to_string();
+        let mut last;
+        loop {
+            self.check_running()?;
+            let webhook = self.kubectl.output(
+                &[
+                    "get",
+                    "validatingwebhookconfiguration",
+                    "kyverno-policy-validating-webhook-cfg",
+                    "-o",
+                    "name",
+                ],
+                None,
+            )?;
+            if webhook.status.success() {
+                let out = self
+                    .kubectl
+                    .output(&["create", "--dry-run=server", "-f", "-"], Some(&probe))?;
+                let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+                if !out.status.success() && stderr.contains("kyverno.svc") {
+                    return Ok(());
+                }
+                last = format!(
+                    "dry-run of an invalid ClusterPolicy: exit {}, stdout {:?}, stderr {:?}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stdout),
+                    stderr
+                );
+            } else {
+                last = format!(
+                    "no kyverno-policy-validating-webhook-cfg yet: {}",
+                    String::from_utf8_lossy(&webhook.stderr).trim()
+                );
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "Kyverno's admission webhook not ready after {timeout:?} (webhook port {}); \
+                     last: {last}\n{}",
+                    self.webhook_port,
+                    self.diagnostics(30)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// Stops all three controllers (SIGKILL).
+    pub fn stop(&mut self) {
+        for p in &mut self.procs {
+            p.kill();
+        }
+    }
+}
+
+impl Drop for Kyverno {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The cache directory of `tests/kyverno/build.sh` (or `$REPORTS_SERVER_KYVERNO_DIR`), checked
+/// for the three binaries and the CRD directories. The script runs at most once per test
+/// process and returns at once when the cache is complete.
+pub async fn kyverno_dir() -> Result<PathBuf> {
+    static BUILT: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
+    let dir = match std::env::var_os(DIR_ENV) {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => BUILT.get_or_try_init(run_build_script).await?.clone(),
+    };
+    let mut missing = Vec::new();
+    for c in Controller::ALL {
+        if !dir.join("bin").join(c.binary()).is_file() {
+            missing.push(format!("bin/{}", c.binary()));
+        }
+    }
+    for d in CRD_DIRS {
+        let has_yaml = fs::read_dir(dir.join("crds").join(d))
+            .map(|rd| {
+                rd.filter_map(Result::ok)
+                    .any(|e| e.path().extension().is_some_and(|x| x == "yaml"))
+            })
+            .unwrap_or(false);
+        if !has_yaml {
+            missing.push(format!("crds/{d}/*.yaml"));
+        }
+    }
+    if !missing.is_empty() {
+        bail!(
+            "{} lacks {} (run `bash tests/kyverno/build.sh`, which needs Go >= 1.26.6 and the Go \
+             module proxy{})",
+            dir.display(),
+            missing.join(", "),
+            if std::env::var_os(DIR_ENV).is_some() {
+                format!(", or fix {DIR_ENV}")
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(dir)
+}
+
+async fn run_build_script() -> Result<PathBuf> {
+    let script = workspace_root().join("tests/kyverno/build.sh");
+    let t0 = Instant::now();
+    let mut child = tokio::process::Command::new("bash")
+        .arg(&script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running bash {} (needs bash)", script.display()))?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let stderr = child.stderr.take().expect("piped stderr");
+    // Forward the script's progress (a cold build takes 15-25 minutes) and keep the tail.
+    let err_task = tokio::spawn(async move {
+        let mut tail = VecDeque::new();
+        let mut lines = BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if !line.starts_with("go: downloading") && !line.starts_with("go: added") {
+                eprintln!("{line}");
+            }
+            if tail.len() == 30 {
+                tail.pop_front();
+            }
+            tail.push_back(line);
+        }
+        tail.into_iter().collect::<Vec<_>>().join("\n")
+    });
+    let mut out = String::new();
+    BufReader::new(stdout).read_to_string(&mut out).await?;
+    let status = child.wait().await?;
+    let err_tail = err_task.await.unwrap_or_default();
+    if !status.success() {
+        bail!(
+            "building Kyverno {KYVERNO_VERSION} failed ({status}): bash {}\n--- last lines ---\n\
+             {err_tail}\n(needs Go >= 1.26.6 and the Go module proxy; or set {DIR_ENV} to a \
+             directory with bin/ and crds/ as the script writes them)",
+            script.display()
+        );
+    }
+    let dir = out
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .map(|l| PathBuf::from(l.trim()))
+        .ok_or_else(|| anyhow!("{} printed no cache directory", script.display()))?;
+    if t0.elapsed() > Duration::from_secs(5) {
+        eprintln!("[kyverno] build script took {:.1?}", t0.elapsed());
+    }
+    Ok(dir)
+}
+
+fn tail_file(path: &Path, lines: usize) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
