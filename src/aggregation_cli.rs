@@ -15,6 +15,7 @@ use anyhow::Context;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{ArgGroup, Args};
 use reports_server_aggregator::aggregator::DEFAULT_PAGE_SIZE;
+use reports_server_aggregator::cluster::ClusterMetrics;
 use reports_server_aggregator::cluster::adoption::AdoptionConfig;
 use reports_server_aggregator::cluster::backend::KubeBackendConfig;
 use reports_server_aggregator::cluster::lease::{self, LeaseConfig};
@@ -25,7 +26,7 @@ use reports_server_aggregator::{
     AggregatorConfig, CancellationToken, Layout, MergeOptions, Metrics, OfflineOptions,
     OutputFormat, QueueConfig, aggregate_offline,
 };
-use reports_server_apiserver::aggregation::run_in_process;
+use reports_server_apiserver::aggregation::{ClusterAccess, run_in_process};
 use reports_server_apiserver::standalone::RunningServer;
 
 /// `--aggregation-layout` / `--layout` values.
@@ -99,6 +100,10 @@ pub struct AggregationArgs {
     /// Per-resource layout: resources merged per page (bounds memory and transaction size).
     #[arg(long, env = "REPORTS_SERVER_AGGREGATION_PAGE_SIZE", default_value_t = DEFAULT_PAGE_SIZE)]
     pub aggregation_page_size: usize,
+    /// Delegated mode only: the server reads the cluster through `--kubeconfig` to adopt
+    /// admission reports and to follow Kyverno's policies.
+    #[command(flatten)]
+    pub cluster_rules: ClusterRulesArgs,
 }
 
 impl AggregationArgs {
@@ -123,7 +128,11 @@ impl AggregationArgs {
     /// Starts the in-process aggregator next to a running server when enabled; it stops (and
     /// releases its lease) when the server's shutdown token fires. Await the handle after the
     /// server stopped so the lease is handed over at once instead of expiring.
-    pub fn spawn(&self, server: &RunningServer) -> Option<tokio::task::JoinHandle<()>> {
+    pub fn spawn(
+        &self,
+        server: &RunningServer,
+        cluster: Option<&kube::Client>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
         if !self.enabled {
             tracing::info!("in-process aggregation disabled");
             return None;
@@ -134,14 +143,28 @@ impl AggregationArgs {
             workers = config.queue.workers,
             layout = %config.merge.layout,
             output = %config.merge.output,
+            cluster = cluster.is_some(),
             "in-process aggregation enabled"
         );
+        if cluster.is_none() {
+            tracing::info!(
+                "no cluster to ask (standalone mode): results of deleted policies are kept and admission reports without a resource UID are not merged; see docs/aggregation.md"
+            );
+        }
         // Exported on the server's /metrics next to the API metrics.
         let metrics = server.metrics.register(Metrics::register);
+        let cluster = cluster.map(|client| ClusterAccess {
+            client: client.clone(),
+            adoption: self.cluster_rules.adoption(),
+            watch_policies: self.cluster_rules.watch_policies,
+            policy_sync_timeout: self.cluster_rules.policy_sync_timeout,
+            metrics: server.metrics.register(ClusterMetrics::register),
+        });
         Some(tokio::spawn(run_in_process(
             server.store.clone(),
             config,
             metrics,
+            cluster,
             server.shutdown_token(),
         )))
     }
@@ -220,6 +243,18 @@ pub struct ClusterArgs {
     /// two thirds of it.
     #[arg(long, env = "REPORTS_SERVER_LEASE_DURATION", default_value = "15s", value_parser = parse_delay)]
     pub lease_duration: Duration,
+    #[command(flatten)]
+    pub cluster_rules: ClusterRulesArgs,
+    /// Address of the `/metrics` and `/healthz` endpoint (port 0: any free port, logged);
+    /// `off` disables it.
+    #[arg(long, env = "REPORTS_SERVER_METRICS_BIND_ADDRESS", default_value = "127.0.0.1:9464", value_parser = parse_metrics_address)]
+    pub metrics_bind_address: MetricsAddress,
+}
+
+/// How aggregation with access to the cluster treats admission reports and policies; shared by
+/// `serve` (delegated mode) and `aggregate --kubeconfig`.
+#[derive(Args, Clone, Debug)]
+pub struct ClusterRulesArgs {
     /// An un-owned admission report whose resource is not found is deleted once older than
     /// this (Kyverno: 2 minutes).
     #[arg(long, env = "REPORTS_SERVER_ADOPTION_GRACE_PERIOD", default_value = "2m", value_parser = parse_delay)]
@@ -244,10 +279,15 @@ pub struct ClusterArgs {
     /// (kinds not listed by then are treated as unknown: none of their results is dropped).
     #[arg(long, env = "REPORTS_SERVER_POLICY_SYNC_TIMEOUT", default_value = "30s", value_parser = parse_delay)]
     pub policy_sync_timeout: Duration,
-    /// Address of the `/metrics` and `/healthz` endpoint (port 0: any free port, logged);
-    /// `off` disables it.
-    #[arg(long, env = "REPORTS_SERVER_METRICS_BIND_ADDRESS", default_value = "127.0.0.1:9464", value_parser = parse_metrics_address)]
-    pub metrics_bind_address: MetricsAddress,
+}
+
+impl ClusterRulesArgs {
+    pub fn adoption(&self) -> AdoptionConfig {
+        AdoptionConfig {
+            grace: self.adoption_grace_period,
+            retry: self.adoption_retry.max(Duration::from_millis(100)),
+        }
+    }
 }
 
 /// `--metrics-bind-address`: an address, or `off`.
@@ -310,12 +350,9 @@ impl AggregateArgs {
                 concurrency: c.aggregation_api_concurrency.max(1),
             },
             lease,
-            adoption: AdoptionConfig {
-                grace: c.adoption_grace_period,
-                retry: c.adoption_retry.max(Duration::from_millis(100)),
-            },
-            watch_policies: c.watch_policies,
-            policy_sync_timeout: c.policy_sync_timeout,
+            adoption: c.cluster_rules.adoption(),
+            watch_policies: c.cluster_rules.watch_policies,
+            policy_sync_timeout: c.cluster_rules.policy_sync_timeout,
             metrics_address: c.metrics_bind_address.0,
         }
     }
@@ -332,19 +369,15 @@ pub async fn run_aggregate(args: AggregateArgs) -> anyhow::Result<()> {
 
 /// A client for `--kubeconfig` (its current context) or the in-cluster service account.
 async fn cluster_client(args: &ClusterArgs) -> anyhow::Result<kube::Client> {
-    let config = match &args.kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("cannot read --kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &Default::default())
-                .await
-                .with_context(|| format!("--kubeconfig {} is not usable", path.display()))?
+    match &args.kubeconfig {
+        Some(path) => crate::client_from_kubeconfig(path).await,
+        None => {
+            let config = kube::Config::incluster().context(
+                "--in-cluster needs a pod's service account (KUBERNETES_SERVICE_HOST and the token); outside a cluster pass --kubeconfig PATH",
+            )?;
+            kube::Client::try_from(config).context("cannot build a Kubernetes client")
         }
-        None => kube::Config::incluster().context(
-            "--in-cluster needs a pod's service account (KUBERNETES_SERVICE_HOST and the token); outside a cluster pass --kubeconfig PATH",
-        )?,
-    };
-    kube::Client::try_from(config).context("cannot build a Kubernetes client")
+    }
 }
 
 /// Continuous aggregation through the cluster API until SIGINT/SIGTERM.
@@ -365,7 +398,7 @@ async fn run_cluster(args: AggregateArgs) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
     let token = cancel.clone();
     tokio::spawn(async move {
-        shutdown_signal().await;
+        crate::shutdown_signal().await;
         tracing::info!("shutting down");
         token.cancel();
     });
@@ -373,21 +406,6 @@ async fn run_cluster(args: AggregateArgs) -> anyhow::Result<()> {
         .run(cancel)
         .await
         .context("aggregation stopped")
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }
 
 /// Runs `reports-server aggregate --input`: prints the merged reports as multi-document YAML.

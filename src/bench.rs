@@ -17,6 +17,7 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -25,9 +26,9 @@ use clap::Args;
 use futures::{StreamExt, TryStreamExt};
 use kube::api::{Api, ListParams, PostParams, WatchEvent, WatchParams};
 use reports_server_apiserver::http::ApiOptions;
-use reports_server_apiserver::standalone::{self, StandaloneConfig};
-use reports_server_apiserver::store::write_target::Target;
-use reports_server_apiserver::store::{Mutation, Store, StoreError, StoreOptions};
+use reports_server_apiserver::http::objects::stamp_new;
+use reports_server_apiserver::standalone::{self, RunningServer, StandaloneConfig};
+use reports_server_apiserver::store::{Store, StoreOptions};
 use reports_server_crds::PolicyReport;
 use reports_server_crds::catalog::POLICY_REPORT;
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
@@ -81,13 +82,29 @@ pub struct BenchArgs {
     database_url: Option<String>,
 }
 
-/// Builds a kube client from a kubeconfig file.
-pub async fn client_for(kubeconfig: &std::path::Path) -> anyhow::Result<kube::Client> {
-    let kc = kube::config::Kubeconfig::read_from(kubeconfig).context("read kubeconfig")?;
-    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .context("load kubeconfig")?;
-    Ok(kube::Client::try_from(config)?)
+/// A fresh standalone server for a benchmark, in this process: on `database_url`, else on a new
+/// SQLite file in `dir`; and a kube-rs client for it.
+pub(crate) async fn start_server(
+    dir: &Path,
+    database_url: Option<&str>,
+) -> anyhow::Result<(RunningServer, kube::Client)> {
+    let url = database_url.map_or_else(
+        || format!("sqlite://{}?mode=rwc", dir.join("bench.db").display()),
+        str::to_owned,
+    );
+    let server = standalone::start(StandaloneConfig {
+        data_dir: dir.to_owned(),
+        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+        store: StoreOptions::new(url),
+        api: ApiOptions::default(),
+        kubeconfig: dir.join("kubeconfig"),
+        auth: Default::default(),
+        serving: None,
+        serving_names: Vec::new(),
+    })
+    .await?;
+    let client = crate::client_from_kubeconfig(&server.kubeconfig).await?;
+    Ok((server, client))
 }
 
 fn selected(args: &BenchArgs) -> anyhow::Result<Vec<&'static str>> {
@@ -109,25 +126,8 @@ fn selected(args: &BenchArgs) -> anyhow::Result<Vec<&'static str>> {
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let phases = selected(&args)?;
     let dir = tempfile::tempdir()?;
-    let url = args.database_url.clone().unwrap_or_else(|| {
-        format!(
-            "sqlite://{}?mode=rwc",
-            dir.path().join("bench.db").display()
-        )
-    });
     let baseline = memory()?;
-    let server = standalone::start(StandaloneConfig {
-        data_dir: dir.path().to_owned(),
-        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-        store: StoreOptions::new(url.clone()),
-        api: ApiOptions::default(),
-        kubeconfig: dir.path().join("kubeconfig"),
-        auth: Default::default(),
-        serving: None,
-        serving_names: Vec::new(),
-    })
-    .await?;
-    let client = client_for(&server.kubeconfig).await?;
+    let (server, client) = start_server(dir.path(), args.database_url.as_deref()).await?;
     println!(
         "backend: {:?} ({}); {} build; phases: {}",
         server.store.backend(),
@@ -455,7 +455,7 @@ async fn watch_latency(
 }
 
 /// `VmRSS` and `VmHWM` of this process, in bytes.
-fn memory() -> anyhow::Result<(u64, u64)> {
+pub(crate) fn memory() -> anyhow::Result<(u64, u64)> {
     let status = std::fs::read_to_string("/proc/self/status")
         .context("reading /proc/self/status (the rss phase needs Linux)")?;
     let field = |name: &str| -> anyhow::Result<u64> {
@@ -492,20 +492,6 @@ async fn rss(
     let mut loaded = 0u64;
     while loaded < total {
         let n = (total - loaded).min(1000);
-        let keys: Vec<(String, String)> = (loaded..loaded + n)
-            .map(|i| {
-                let subject = Subject::pod(&format!("rss-{}", i % args.namespaces), i);
-                (subject.namespace.clone(), subject.uid.clone())
-            })
-            .collect();
-        let targets: Vec<Target<'_>> = keys
-            .iter()
-            .map(|(ns, name)| Target {
-                resource: &POLICY_REPORT,
-                namespace: ns,
-                name,
-            })
-            .collect();
         let objects: Vec<serde_json::Value> = (loaded..loaded + n)
             .map(|i| {
                 let subject = Subject::pod(&format!("rss-{}", i % args.namespaces), i);
@@ -514,16 +500,17 @@ async fn rss(
                     1_700_000_000,
                     &[(i % 19) as usize],
                 ))?;
-                v["metadata"]["uid"] = serde_json::json!(subject.uid);
-                v["metadata"]["creationTimestamp"] = serde_json::json!("2026-01-01T00:00:00Z");
-                v["metadata"]["generation"] = serde_json::json!(1);
+                stamp_new(
+                    v["metadata"]
+                        .as_object_mut()
+                        .context("report without metadata")?,
+                    &subject.uid,
+                );
                 Ok(v)
             })
             .collect::<anyhow::Result<_>>()?;
         store
-            .mutate_batch::<StoreError, _>(&targets, false, |i, _| {
-                Ok(Mutation::Put(objects[i].clone()))
-            })
+            .put_all(&POLICY_REPORT, objects)
             .await
             .context("bulk load")?;
         let before = loaded;

@@ -13,7 +13,6 @@
 //! `--layout both` each layout runs in a child process of its own, so that each gets its own peak.
 
 use std::collections::{BTreeMap, HashSet};
-use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -26,14 +25,12 @@ use reports_server_aggregator::metrics::{Operation, OperationLabels};
 use reports_server_aggregator::queue::DEFAULT_WORKERS;
 use reports_server_aggregator::{AggregatorConfig, Layout, MergeOptions, Metrics, QueueConfig};
 use reports_server_apiserver::aggregation::run_in_process;
-use reports_server_apiserver::http::ApiOptions;
-use reports_server_apiserver::standalone::{self, StandaloneConfig};
-use reports_server_apiserver::store::StoreOptions;
 use reports_server_crds::fixtures::{PSS_RULES, Subject, pss_ephemeral_report};
 use reports_server_crds::{EphemeralReport, PolicyReport};
 use serde_json::Value;
 
 use crate::aggregation_cli::parse_delay;
+use crate::bench::{memory, start_server};
 
 const T0: i64 = 1_700_000_000;
 
@@ -116,15 +113,6 @@ impl Figures {
 
 const HEADER: &str = "| layout | ephemeral reports | create phase | until all consumed | ephemeral reports/s consumed | policy reports | results in them | results written (all passes) | peak RSS | report writes (create+update+delete) |\n|---|---|---|---|---|---|---|---|---|---|";
 
-/// `VmHWM` of this process, in KiB.
-fn peak_rss_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-}
-
 pub async fn run(args: BenchAggregationArgs) -> anyhow::Result<()> {
     let layouts = match args.layout {
         LayoutChoice::PerResource => {
@@ -143,29 +131,11 @@ pub async fn run(args: BenchAggregationArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for layout in layouts {
         eprintln!("== layout {layout} (child process) ==");
+        // Every other flag, the global `--log` and the environment exactly as given.
         let mut cmd = Command::new(&exe);
-        cmd.arg("bench-aggregation")
+        cmd.args(args_without_layout())
             .args(["--layout", layout])
-            .args(["--pods", &args.pods.to_string()])
-            .args(["--namespaces", &args.namespaces.to_string()])
-            .args(["--concurrency", &args.concurrency.to_string()])
-            .args([
-                "--aggregation-delay",
-                &format!("{}ms", args.aggregation_delay.as_millis()),
-            ])
-            .args([
-                "--aggregation-workers",
-                &args.aggregation_workers.to_string(),
-            ])
-            .args([
-                "--aggregation-page-size",
-                &args.aggregation_page_size.to_string(),
-            ])
-            .args(["--timeout", &format!("{}s", args.timeout.as_secs())])
             .stderr(Stdio::inherit());
-        if let Some(url) = &args.database_url {
-            cmd.args(["--database-url", url]);
-        }
         let out = cmd
             .output()
             .context("cannot run the benchmark child process")?;
@@ -210,33 +180,23 @@ fn admission_report(subject: &Subject, n: u64) -> EphemeralReport {
     report
 }
 
-async fn client_for(kubeconfig: &std::path::Path) -> anyhow::Result<kube::Client> {
-    let kc = kube::config::Kubeconfig::read_from(kubeconfig).context("read kubeconfig")?;
-    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .context("load kubeconfig")?;
-    Ok(kube::Client::try_from(config)?)
+/// This command line without its `--layout`, for a child that measures one layout.
+fn args_without_layout() -> Vec<std::ffi::OsString> {
+    let mut kept = Vec::new();
+    let mut args = std::env::args_os().skip(1);
+    while let Some(arg) = args.next() {
+        if arg == "--layout" {
+            args.next();
+        } else if !arg.to_string_lossy().starts_with("--layout=") {
+            kept.push(arg);
+        }
+    }
+    kept
 }
 
 async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<Figures> {
     let dir = tempfile::tempdir()?;
-    let url = args.database_url.clone().unwrap_or_else(|| {
-        format!(
-            "sqlite://{}?mode=rwc",
-            dir.path().join("bench.db").display()
-        )
-    });
-    let server = standalone::start(StandaloneConfig {
-        data_dir: dir.path().to_owned(),
-        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-        store: StoreOptions::new(url),
-        api: ApiOptions::default(),
-        kubeconfig: dir.path().join("kubeconfig"),
-        auth: Default::default(),
-        serving: None,
-        serving_names: Vec::new(),
-    })
-    .await?;
+    let (server, client) = start_server(dir.path(), args.database_url.as_deref()).await?;
     let metrics = server.metrics.register(Metrics::register);
     let config = AggregatorConfig {
         queue: QueueConfig {
@@ -254,9 +214,9 @@ async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<
         server.store.clone(),
         config,
         metrics.clone(),
+        None,
         server.shutdown_token(),
     ));
-    let client = client_for(&server.kubeconfig).await?;
     let ephemerals = args.pods * 2;
     eprintln!(
         "{layout}: {} pods in {} namespaces, {ephemerals} ephemeral reports of ~{} bytes, backend {:?}, aggregation delay {:?}, {} workers",
@@ -351,7 +311,7 @@ async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<
         results,
         results_written: metrics.results_merged.get(),
         writes,
-        peak_rss_kib: peak_rss_kib(),
+        peak_rss_kib: memory().ok().map(|(_, peak)| peak / 1024),
     };
     server.shutdown().await;
     let _ = aggregation.await;

@@ -256,11 +256,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .write_kubeconfig
         .clone()
         .unwrap_or_else(|| data_dir.join("kubeconfig"));
-    let auth = match args.auth_mode {
-        AuthModeArg::Standalone => AuthMode::Standalone,
-        AuthModeArg::Delegated => {
-            AuthMode::Delegated(cluster_client(args.kubeconfig.as_deref()).await?)
-        }
+    let cluster = match args.auth_mode {
+        AuthModeArg::Standalone => None,
+        AuthModeArg::Delegated => Some(cluster_client(args.kubeconfig.as_deref()).await?),
+    };
+    let auth = match &cluster {
+        None => AuthMode::Standalone,
+        Some(client) => AuthMode::Delegated(client.clone()),
     };
     let serving = match (&args.tls_cert_file, &args.tls_private_key_file) {
         (Some(cert), Some(key)) => Some(CertPair {
@@ -304,7 +306,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             server.kubeconfig.display()
         );
     }
-    let aggregation = args.aggregation.spawn(&server);
+    let aggregation = args.aggregation.spawn(&server, cluster.as_ref());
     let token = server.shutdown_token();
     tokio::spawn(async move {
         shutdown_signal().await;
@@ -321,20 +323,29 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
 /// A client for the cluster: `--kubeconfig`, else in-cluster, else `$KUBECONFIG`/`~/.kube/config`.
 async fn cluster_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Client> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("cannot read --kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+    match kubeconfig {
+        Some(path) => client_from_kubeconfig(path).await,
+        None => {
+            let config = kube::Config::infer().await.context(
+                "delegated mode needs cluster access: run in a pod, or pass --kubeconfig",
+            )?;
+            Ok(kube::Client::try_from(config)?)
         }
-        None => kube::Config::infer()
-            .await
-            .context("delegated mode needs cluster access: run in a pod, or pass --kubeconfig")?,
-    };
-    Ok(kube::Client::try_from(config)?)
+    }
 }
 
-async fn shutdown_signal() {
+/// A client for the current context of a kubeconfig file.
+pub(crate) async fn client_from_kubeconfig(path: &std::path::Path) -> anyhow::Result<kube::Client> {
+    let kc = kube::config::Kubeconfig::read_from(path)
+        .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .with_context(|| format!("kubeconfig {} is not usable", path.display()))?;
+    kube::Client::try_from(config).context("cannot build a Kubernetes client")
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

@@ -19,11 +19,22 @@
 //!    policy sources ([`ResultKey`]). Per identity one result survives:
 //!    **the greatest `timestamp.seconds` wins** (nanos are ignored, as in Kyverno). Ties, which
 //!    Kyverno resolves by "first seen" (the existing report, then ephemeral reports in the API
-//!    server's LIST order), are resolved by a total order that does not depend on input order:
-//!    1. a result already stored in a policy report beats one from an ephemeral report;
-//!    2. then the result from the report whose name sorts first (byte-wise) wins, which is
-//!       etcd's LIST order and therefore what Kyverno does on a default install;
-//!    3. then the result whose canonical JSON sorts first (only reachable with duplicate
+//!    server's LIST order), go to the result **written last**, by a total order that does not
+//!    depend on input order:
+//!    1. the result from the report with the greater `resourceVersion` wins (both parsed as
+//!       integers; a report with one beats a report without). A rescan within the same second
+//!       (`fail`, then `skip` once an exception exists) is therefore decided by the later write,
+//!       not by a random name suffix. Stored and ephemeral reports compare the same way: an
+//!       ephemeral report still present was written after the merge that produced the stored
+//!       copy, unless a crash interrupted the deletion of consumed inputs — then the stored
+//!       report, written after them, wins, and a re-merge changes nothing. This needs final and
+//!       ephemeral reports in one storage (one resourceVersion sequence), as in every supported
+//!       set-up: the in-process store, or all report kinds as CRDs in one etcd;
+//!    2. without resourceVersions (offline input): a result already stored in a policy report
+//!       beats one from an ephemeral report;
+//!    3. then the later `creationTimestamp`;
+//!    4. then the report whose name sorts first (byte-wise);
+//!    5. then the result whose canonical JSON sorts first (only reachable with duplicate
 //!       results inside one report).
 //! 5. Surviving results are normalised (Kubernetes `omitempty`), sorted exactly like Kyverno,
 //!    and counted into `summary` (all five counters).
@@ -348,14 +359,41 @@ enum SubjectSource {
     Ephemeral(String),
 }
 
-/// Origin rank of a candidate: stored results beat ephemeral ones on equal seconds.
+/// Origin rank of a candidate: without resourceVersions, stored results beat ephemeral ones
+/// on equal seconds.
 const RANK_STORED: u8 = 0;
 const RANK_EPHEMERAL: u8 = 1;
+
+/// When the report carrying a result was written, as far as its metadata tells.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+struct Written {
+    /// `metadata.resourceVersion` as an integer (kube-apiserver's and ours are both integers
+    /// that grow with every write).
+    resource_version: Option<u64>,
+    /// `metadata.creationTimestamp` in Unix milliseconds.
+    created: Option<i64>,
+}
+
+impl Written {
+    fn of(meta: &ObjectMeta) -> Self {
+        Written {
+            resource_version: meta
+                .resource_version
+                .as_deref()
+                .and_then(|rv| rv.parse().ok()),
+            created: meta
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.as_millisecond()),
+        }
+    }
+}
 
 struct Candidate<'a> {
     result: ReportResult,
     seconds: i64,
     rank: u8,
+    written: Written,
     report: &'a str,
 }
 
@@ -364,10 +402,42 @@ impl Candidate<'_> {
     fn beats(&self, current: &Candidate<'_>) -> bool {
         self.seconds
             .cmp(&current.seconds)
+            .then_with(|| {
+                self.written
+                    .resource_version
+                    .cmp(&current.written.resource_version)
+            })
             .then_with(|| current.rank.cmp(&self.rank))
+            .then_with(|| self.written.created.cmp(&current.written.created))
             .then_with(|| current.report.cmp(self.report))
             .then_with(|| canonical_json(&current.result).cmp(&canonical_json(&self.result)))
             .is_gt()
+    }
+}
+
+/// Where a result comes from: the rank of its origin, when and in which report it was written.
+#[derive(Clone, Copy)]
+struct Origin<'a> {
+    rank: u8,
+    written: Written,
+    report: &'a str,
+}
+
+impl<'a> Origin<'a> {
+    fn stored(report: &'a FinalReport) -> Self {
+        Origin {
+            rank: RANK_STORED,
+            written: Written::of(report.metadata()),
+            report: report.name(),
+        }
+    }
+
+    fn ephemeral(eph: &'a Ephemeral) -> Self {
+        Origin {
+            rank: RANK_EPHEMERAL,
+            written: Written::of(eph.metadata()),
+            report: eph.name(),
+        }
     }
 }
 
@@ -394,8 +464,7 @@ impl<'a> Accumulator<'a> {
         policies: Option<&PolicySet>,
         result: &ReportResult,
         uid: &str,
-        rank: u8,
-        report: &'a str,
+        origin: Origin<'a>,
     ) {
         self.stats.results_in += 1;
         if policies.is_some_and(|p| !p.allows(result)) {
@@ -409,8 +478,9 @@ impl<'a> Accumulator<'a> {
         let candidate = Candidate {
             seconds: seconds(&r),
             result: r,
-            rank,
-            report,
+            rank: origin.rank,
+            written: origin.written,
+            report: origin.report,
         };
         let key = ResultKey::of(&candidate.result, uid);
         match self.winners.get_mut(&key) {
@@ -515,7 +585,7 @@ fn merge_impl(input: &MergeInput<'_>, options: &MergeOptions, paged: bool) -> Pl
                 SubjectInfo::from_reference(scope),
             );
             for r in report.results() {
-                acc.consider(input.policies, r, uid, RANK_STORED, name);
+                acc.consider(input.policies, r, uid, Origin::stored(report));
             }
         } else {
             if paged {
@@ -539,7 +609,7 @@ fn merge_impl(input: &MergeInput<'_>, options: &MergeOptions, paged: bool) -> Pl
                     SubjectSource::ResultReference(name.to_owned()),
                     SubjectInfo::from_reference(subject),
                 );
-                acc.consider(input.policies, r, uid, RANK_STORED, name);
+                acc.consider(input.policies, r, uid, Origin::stored(report));
             }
         }
         stored.insert((report.kind(), name), report);
@@ -563,7 +633,7 @@ fn merge_impl(input: &MergeInput<'_>, options: &MergeOptions, paged: bool) -> Pl
             SubjectInfo::from_owner(&owner, uid),
         );
         for r in eph.results() {
-            acc.consider(input.policies, r, uid, RANK_EPHEMERAL, name);
+            acc.consider(input.policies, r, uid, Origin::ephemeral(eph));
         }
         consumed.entry(uid.to_owned()).or_default().push(eph.key());
     }
@@ -872,6 +942,66 @@ mod tests {
             Some(Pass),
             "tie keeps the stored one"
         );
+    }
+
+    /// Seen with a real Kyverno: two background-scan reports for one Pod within the same second,
+    /// `fail` and then `skip` once a PolicyException exists. The later write must win whatever
+    /// the random name suffixes say, against stored results too.
+    #[test]
+    fn same_second_ties_go_to_the_report_written_last() {
+        use reports_server_crds::PolicyResult::*;
+        let s = Subject::pod("ns", 1);
+        let report = |name: &str, rv: &str, result| {
+            let mut e = pss_ephemeral_report(&s, 500, &[]);
+            e.metadata.name = Some(name.into());
+            e.metadata.resource_version = Some(rv.into());
+            for r in e.spec.results.as_mut().unwrap() {
+                r.result = Some(result);
+            }
+            Ephemeral::Namespaced(e)
+        };
+        let merge = |reports: &[FinalReport], ephs: &[Ephemeral]| {
+            let plan = merge_namespace(
+                &MergeInput {
+                    namespace: "ns",
+                    reports,
+                    ephemerals: ephs,
+                    policies: None,
+                },
+                &MergeOptions::default(),
+            );
+            let written = plan.creates.iter().chain(&plan.updates).next().cloned();
+            (plan, written)
+        };
+        let first_result = |r: &FinalReport| r.results()[0].result;
+
+        // Ephemeral against ephemeral, in both input orders: the name sorting first is older.
+        for ephs in [
+            vec![report("a-old", "10", Fail), report("z-new", "12", Skip)],
+            vec![report("z-new", "12", Skip), report("a-old", "10", Fail)],
+        ] {
+            let (_, created) = merge(&[], &ephs);
+            assert_eq!(first_result(&created.unwrap()), Some(Skip));
+        }
+        // Stored against ephemeral: the stored report (rv 20) holds the merged `fail`.
+        let (_, stored) = merge(&[], &[report("a-old", "10", Fail)]);
+        let mut stored = stored.unwrap();
+        stored.metadata_mut().uid = Some("report-uid".into());
+        stored.metadata_mut().resource_version = Some("20".into());
+        // A newer scan in the same second (rv 25) replaces it.
+        let (_, updated) = merge(
+            std::slice::from_ref(&stored),
+            &[report("z-new", "25", Skip)],
+        );
+        assert_eq!(first_result(&updated.unwrap()), Some(Skip));
+        // An input older than the stored report (its deletion was interrupted by a crash after
+        // the merged report was written) changes nothing.
+        let (plan, updated) = merge(
+            std::slice::from_ref(&stored),
+            &[report("z-older", "15", Skip)],
+        );
+        assert!(updated.is_none(), "{plan:?}");
+        assert_eq!(plan.ephemeral_deletes.len(), 1);
     }
 
     #[test]

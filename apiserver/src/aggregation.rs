@@ -41,13 +41,19 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use reports_server_aggregator::cluster::adoption::ReportsError;
+use reports_server_aggregator::cluster::discovery::{DEFAULT_TTL, DiscoveryCache};
+use reports_server_aggregator::cluster::policies::{DEFAULT_REDISCOVERY, next_change};
+use reports_server_aggregator::cluster::{
+    Adopter, AdoptionConfig, ClusterMetrics, EphemeralReports, PolicyWatcher, Written,
+};
 use reports_server_aggregator::report::{LABEL_MANAGED_BY, LABEL_RESOURCE_UID, MANAGED_BY_VALUE};
 use reports_server_aggregator::{
     AggregationBackend, Aggregator, AggregatorConfig, BackendError, CancellationToken, Ephemeral,
     FinalReport, InputPage, Metrics, ObjectKey, PageRequest, Plan, PolicySet, ReportKind,
 };
 use reports_server_crds::{ResourceDescriptor, catalog};
-use sea_orm::sea_query::{Expr, ExprTrait, Query};
 use sea_orm::{
     AccessMode, ConnectionTrait, DbBackend, IsolationLevel, Statement, TransactionTrait,
 };
@@ -61,7 +67,6 @@ use crate::http::objects::{
 use crate::http::request::ResourcePath;
 use crate::http::status::ApiError;
 use crate::store::lease::LeaseRecord;
-use crate::store::migration::m20261121_000001_initial::Objects;
 use crate::store::write_target::Target;
 use crate::store::{Change, EventType, Mutation, Store, StoreError, parse_document};
 
@@ -244,22 +249,41 @@ impl StoreBackend {
 
     /// Namespaces (`""` = cluster scope) that currently hold ephemeral reports.
     pub async fn namespaces_with_ephemerals(&self) -> Result<Vec<String>, StoreError> {
-        let rows = self
-            .store
-            .connection()
-            .query_all(
-                &Query::select()
-                    .distinct()
-                    .column(Objects::Namespace)
-                    .from(Objects::Table)
-                    .and_where(Expr::col(Objects::ClusterId).eq(self.store.cluster_id()))
-                    .and_where(Expr::col(Objects::Resource).is_in([
-                        Store::resource_key(&catalog::EPHEMERAL_REPORT),
-                        Store::resource_key(&catalog::CLUSTER_EPHEMERAL_REPORT),
-                    ]))
-                    .to_owned(),
-            )
-            .await?;
+        self.namespaces(false).await
+    }
+
+    /// Namespaces (`""` = cluster scope) holding ephemeral reports or policy reports managed by
+    /// Kyverno: every namespace whose reports a change of the policy set can change.
+    pub async fn namespaces_with_inputs(&self) -> Result<Vec<String>, StoreError> {
+        self.namespaces(true).await
+    }
+
+    async fn namespaces(&self, with_managed_reports: bool) -> Result<Vec<String>, StoreError> {
+        let store = &self.store;
+        let mut q = Sql::new(store.backend());
+        q.push("SELECT DISTINCT o.namespace FROM objects o WHERE o.cluster_id = ")
+            .bind(store.cluster_id())
+            .push(" AND (o.resource IN ")
+            .bind_list(&[
+                Store::resource_key(&catalog::EPHEMERAL_REPORT),
+                Store::resource_key(&catalog::CLUSTER_EPHEMERAL_REPORT),
+            ]);
+        if with_managed_reports {
+            q.push(" OR (o.resource IN ")
+                .bind_list(&[
+                    Store::resource_key(&catalog::POLICY_REPORT),
+                    Store::resource_key(&catalog::CLUSTER_POLICY_REPORT),
+                    Store::resource_key(&catalog::REPORT),
+                    Store::resource_key(&catalog::CLUSTER_REPORT),
+                ])
+                .push(" AND EXISTS (SELECT 1 FROM object_labels m WHERE m.object_id = o.id AND m.key = ")
+                .bind(LABEL_MANAGED_BY)
+                .push(" AND m.value = ")
+                .bind(MANAGED_BY_VALUE)
+                .push("))");
+        }
+        q.push(")");
+        let rows = store.connection().query_all_raw(q.build()).await?;
         rows.iter()
             .map(|r| Ok(r.try_get::<String>("", "namespace")?))
             .collect()
@@ -584,6 +608,148 @@ impl AggregationBackend for StoreBackend {
     }
 }
 
+/// The store's ephemeral reports, for adoption ([`Adopter`]): Kyverno's mutating webhook
+/// writes its admission report before the object has a UID, so such a report names its
+/// resource only by name and has neither an ownerReference nor a `resource.uid`. The adopter
+/// looks the resource up in the cluster; the decision is written here, with the same
+/// preconditions as an API write.
+pub struct StoreEphemeralReports {
+    store: Store,
+}
+
+impl StoreEphemeralReports {
+    pub fn new(store: Store) -> Self {
+        StoreEphemeralReports { store }
+    }
+
+    /// Applies `change` to the report if it still has the `uid` and `resourceVersion` it was
+    /// listed with.
+    async fn write(
+        &self,
+        namespace: &str,
+        report: &ObjectMeta,
+        change: impl FnOnce(&ResourcePath, &str, Value) -> Result<Mutation, ApiError> + Send,
+    ) -> Result<Written, ReportsError> {
+        let desc = descriptor(ephemeral_kind(namespace));
+        let name = report.name.clone().unwrap_or_default();
+        let path = ResourcePath {
+            resource: desc,
+            namespace: (!namespace.is_empty()).then(|| namespace.to_owned()),
+            name: Some(name.clone()),
+        };
+        let mut written = Written::Done;
+        let outcome = self
+            .store
+            .mutate::<AggregationError, _>(desc, namespace, &name, false, |current| {
+                let Some(current) = current else {
+                    written = Written::Gone;
+                    return Ok(Mutation::Unchanged);
+                };
+                let meta = &current["metadata"];
+                if meta["uid"].as_str() != report.uid.as_deref()
+                    || meta["resourceVersion"].as_str() != report.resource_version.as_deref()
+                {
+                    written = Written::Changed;
+                    return Ok(Mutation::Unchanged);
+                }
+                change(&path, &name, current).map_err(|e| {
+                    if e.code.as_u16() == 409 {
+                        AggregationError::Conflict(e.message)
+                    } else {
+                        AggregationError::Invalid {
+                            kind: ephemeral_kind(namespace),
+                            namespace: namespace.to_owned(),
+                            name: name.clone(),
+                            message: e.message,
+                        }
+                    }
+                })
+            })
+            .await;
+        match outcome {
+            Ok(_) => Ok(written),
+            Err(AggregationError::Conflict(_)) => Ok(Written::Changed),
+            Err(e) => Err(Box::new(e)),
+        }
+    }
+}
+
+impl EphemeralReports for StoreEphemeralReports {
+    async fn unowned(&self, namespace: &str) -> Result<Vec<ObjectMeta>, ReportsError> {
+        let store = &self.store;
+        let key = Store::resource_key(descriptor(ephemeral_kind(namespace)));
+        let mut q = Sql::new(store.backend());
+        q.push("SELECT o.metadata FROM objects o WHERE o.cluster_id = ")
+            .bind(store.cluster_id())
+            .push(" AND o.resource = ")
+            .bind(key.as_str())
+            .push(" AND o.namespace = ")
+            .bind(namespace)
+            .push(" AND (o.owner_uids IS NULL OR o.owner_uids = '') ORDER BY o.name");
+        let rows = store
+            .connection()
+            .query_all_raw(q.build())
+            .await
+            .map_err(StoreError::from)?;
+        let mut unowned = Vec::with_capacity(rows.len());
+        for row in rows {
+            let text: String = row.try_get("", "metadata").map_err(StoreError::from)?;
+            let meta = parse_document(&format!("{namespace}/{key}"), &text)?;
+            unowned.push(serde_json::from_value::<ObjectMeta>(meta)?);
+        }
+        Ok(unowned)
+    }
+
+    async fn adopt(
+        &self,
+        namespace: &str,
+        report: &ObjectMeta,
+        owner: &OwnerReference,
+    ) -> Result<Written, ReportsError> {
+        let owner_value = serde_json::to_value(owner)?;
+        self.write(namespace, report, |path, name, current| {
+            let mut adopted = current.clone();
+            adopted["metadata"]["ownerReferences"] = Value::Array(vec![owner_value]);
+            adopted["metadata"]["labels"][LABEL_RESOURCE_UID] = Value::String(owner.uid.clone());
+            let validation = Validation {
+                mode: FieldValidation::Ignore,
+                duplicates: Vec::new(),
+            };
+            decide_update(path, name, Some(current), adopted, &validation).map(|(m, _, _)| m)
+        })
+        .await
+    }
+
+    async fn delete(&self, namespace: &str, report: &ObjectMeta) -> Result<Written, ReportsError> {
+        let preconditions = DeletePreconditions {
+            uid: report.uid.clone(),
+            resource_version: report.resource_version.clone(),
+            dry_run: false,
+        };
+        self.write(namespace, report, |path, name, current| {
+            decide_delete(path.resource, name, Some(current), &preconditions)
+        })
+        .await
+    }
+}
+
+/// Cluster access for in-process aggregation (`serve --auth-mode delegated`): with it, results
+/// of deleted or report-disabled policies are dropped and admission reports written before
+/// their resource had a UID are adopted, as Kyverno's own aggregation does. Without it (a
+/// server with no cluster) the policy set is unknown — no result is ever dropped for a missing
+/// policy — and such reports are kept, unmerged, until they are deleted.
+#[derive(Clone)]
+pub struct ClusterAccess {
+    pub client: kube::Client,
+    pub adoption: AdoptionConfig,
+    /// Follow Kyverno's policies (`false`: the policy set stays unknown, nothing is dropped).
+    pub watch_policies: bool,
+    /// How long a new leader waits for the first complete policy lists before it aggregates
+    /// with the missing kinds unknown.
+    pub policy_sync_timeout: Duration,
+    pub metrics: ClusterMetrics,
+}
+
 /// Timing of the database lease that makes one aggregator active per database.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaseConfig {
@@ -623,6 +789,7 @@ pub struct InProcessAggregator {
     lease_name: String,
     holder: String,
     leading: watch::Sender<bool>,
+    cluster: Option<ClusterAccess>,
 }
 
 impl InProcessAggregator {
@@ -642,7 +809,15 @@ impl InProcessAggregator {
             lease: LeaseConfig::default(),
             holder,
             leading: watch::channel(false).0,
+            cluster: None,
         }
+    }
+
+    /// Gives the aggregator the cluster: policies are watched and un-owned admission reports
+    /// adopted (see [`ClusterAccess`]).
+    pub fn with_cluster(mut self, cluster: ClusterAccess) -> Self {
+        self.cluster = Some(cluster);
+        self
     }
 
     pub fn with_lease(mut self, lease: LeaseConfig) -> Self {
@@ -811,43 +986,133 @@ impl InProcessAggregator {
     }
 
     /// One leadership term: a fresh queue (a cancelled queue may keep keys marked as in
-    /// progress), the change feed, and the workers, all stopped by `term`.
+    /// progress), the change feed, the policy watch and adoption when the cluster is known, and
+    /// the workers, all stopped by `term`.
     async fn work(&self, term: CancellationToken) {
-        let aggregator = Aggregator::new(
-            self.backend.clone(),
-            self.config.clone(),
-            self.metrics.clone(),
-        );
+        let mut config = self.config.clone();
+        let adopter = self.cluster.as_ref().map(|cluster| {
+            // Kyverno merges only adopted reports; guessing an owner from labels is for servers
+            // without a cluster to ask.
+            config.merge.adopt_unowned = false;
+            Arc::new(Adopter::new(
+                StoreEphemeralReports::new(self.store.clone()),
+                cluster.client.clone(),
+                DiscoveryCache::new(cluster.client.clone(), DEFAULT_TTL),
+                cluster.adoption.clone(),
+                cluster.metrics.clone(),
+                config.queue.workers,
+            ))
+        });
+        let policies = match &self.cluster {
+            Some(cluster) if cluster.watch_policies => {
+                Some(self.watch_policies(cluster, &term).await)
+            }
+            _ => None,
+        };
+        let aggregator = Aggregator::new(self.backend.clone(), config, self.metrics.clone());
         // Subscribe before listing, so that a change is either in the listing or on the feed.
         let (changes, _) = self.store.feed().subscribe().await;
         let events = follow_changes(&self.backend, &aggregator, changes, &term);
-        let workers = aggregator.clone().run(term.clone());
-        tokio::join!(events, workers);
+        let handler = {
+            let aggregator = aggregator.clone();
+            move |namespace: String| {
+                let aggregator = aggregator.clone();
+                let adopter = adopter.clone();
+                async move {
+                    if let Some(adopter) = adopter {
+                        let adoption = adopter
+                            .adopt_namespace(&namespace)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        if let Some(after) = adoption.retry_after {
+                            aggregator.queue().enqueue_after(namespace.as_str(), after);
+                        }
+                    }
+                    let outcome = aggregator
+                        .reconcile(&namespace)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    tracing::debug!(namespace, ?outcome, "namespace aggregated");
+                    Ok::<(), String>(())
+                }
+            }
+        };
+        let workers = aggregator.queue().run(handler, term.clone());
+        let policy_changes = async {
+            if let Some(policies) = policies {
+                follow_policies(&self.backend, &aggregator, policies, &term).await;
+            }
+        };
+        tokio::join!(events, workers, policy_changes);
+    }
+
+    /// Starts watching Kyverno's policy kinds for this term and waits (bounded) for the first
+    /// complete lists, so that the first merges already drop results of deleted policies.
+    async fn watch_policies(
+        &self,
+        cluster: &ClusterAccess,
+        term: &CancellationToken,
+    ) -> watch::Receiver<Option<PolicySet>> {
+        let watcher = PolicyWatcher::new(cluster.metrics.clone());
+        tokio::spawn(watcher.clone().run(
+            cluster.client.clone(),
+            term.clone(),
+            DEFAULT_REDISCOVERY,
+        ));
+        if !watcher.wait_synced(cluster.policy_sync_timeout).await {
+            tracing::warn!(pending = ?watcher.pending_kinds(), "policies not listed in time; aggregating with those kinds unknown (none of their results dropped)");
+        }
+        let mut policies = watcher.policies();
+        self.backend
+            .set_policies(policies.borrow_and_update().clone());
+        policies
     }
 }
 
-/// Enqueues every namespace holding ephemeral reports; retries until it succeeds or `cancel`
-/// fires (a database outage must not lose the initial sweep).
+/// Keeps the backend's policy set current and, after each change (a burst of changes counts
+/// once), re-merges every namespace whose reports it can change.
+async fn follow_policies(
+    backend: &StoreBackend,
+    aggregator: &Aggregator<StoreBackend>,
+    mut policies: watch::Receiver<Option<PolicySet>>,
+    term: &CancellationToken,
+) {
+    while let Some(set) = next_change(&mut policies, term).await {
+        backend.set_policies(set);
+        tracing::info!("policy set changed; re-merging every namespace with reports");
+        enqueue_all(backend, aggregator, term, Sweep::Inputs).await;
+    }
+}
+
+/// Which namespaces a sweep enqueues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sweep {
+    /// Those holding ephemeral reports (new inputs to merge).
+    Ephemerals,
+    /// Those holding ephemeral reports or Kyverno-managed reports (after a policy change).
+    Inputs,
+}
+
+/// Enqueues every namespace of `sweep`; retries until it succeeds or `cancel` fires (a
+/// database outage must not lose a sweep).
 async fn enqueue_all(
     backend: &StoreBackend,
     aggregator: &Aggregator<StoreBackend>,
     cancel: &CancellationToken,
+    sweep: Sweep,
 ) {
     let mut delay = Duration::from_millis(500);
     loop {
-        match backend.namespaces_with_ephemerals().await {
+        match backend.namespaces(sweep == Sweep::Inputs).await {
             Ok(namespaces) => {
-                tracing::debug!(
-                    count = namespaces.len(),
-                    "enqueued every namespace with ephemeral reports"
-                );
+                tracing::debug!(count = namespaces.len(), ?sweep, "enqueued every namespace");
                 for ns in namespaces {
                     aggregator.enqueue(&ns);
                 }
                 return;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot list namespaces with ephemeral reports; retrying")
+                tracing::warn!(error = %e, ?sweep, "cannot list namespaces to enqueue; retrying")
             }
         }
         tokio::select! {
@@ -865,7 +1130,7 @@ async fn follow_changes(
     mut changes: broadcast::Receiver<Arc<Change>>,
     cancel: &CancellationToken,
 ) {
-    enqueue_all(backend, aggregator, cancel).await;
+    enqueue_all(backend, aggregator, cancel, Sweep::Ephemerals).await;
     loop {
         let received = tokio::select! {
             _ = cancel.cancelled() => return,
@@ -882,7 +1147,7 @@ async fn follow_changes(
                     missed,
                     "aggregation fell behind the change feed; re-enqueuing every namespace"
                 );
-                enqueue_all(backend, aggregator, cancel).await;
+                enqueue_all(backend, aggregator, cancel, Sweep::Ephemerals).await;
             }
             Err(broadcast::error::RecvError::Closed) => return,
         }
@@ -895,9 +1160,12 @@ pub async fn run_in_process(
     store: Store,
     config: AggregatorConfig,
     metrics: Metrics,
+    cluster: Option<ClusterAccess>,
     cancel: CancellationToken,
 ) {
-    InProcessAggregator::new(store, config, metrics)
-        .run(cancel)
-        .await
+    let mut aggregator = InProcessAggregator::new(store, config, metrics);
+    if let Some(cluster) = cluster {
+        aggregator = aggregator.with_cluster(cluster);
+    }
+    aggregator.run(cancel).await
 }

@@ -7,6 +7,7 @@ pub mod controlplane;
 pub mod delegated;
 pub mod kubectl;
 pub mod kyverno;
+pub mod kyverno_fixtures;
 pub mod objects;
 pub mod postgres;
 pub mod server;

@@ -494,3 +494,51 @@ async fn label_selector_watch_sees_only_matching_namespace_and_labels() {
     }
     assert_eq!(got, ["ADDED a/report-00001", "DELETED a/report-00001"]);
 }
+
+/// Regression (a real Kyverno on a fresh install): an empty server answered lists with
+/// `metadata.resourceVersion: "0"`. client-go's RetryWatcher, which every Kyverno controller
+/// starts from a list's resourceVersion, refuses "0" and "", so the controllers looped forever
+/// and never wrote a report. On a fresh server every list names a version above 0, and a watch
+/// started from it (as a RetryWatcher does) sees the first write.
+#[tokio::test]
+async fn a_fresh_server_never_answers_resource_version_zero() {
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let server = start(backend, dir.path()).await;
+        let client = server.client().await.unwrap();
+        let mut versions = Vec::new();
+        for desc in reports_server_crds::catalog::ALL {
+            let uri = format!("/apis/{}/{}/{}", desc.group, desc.version, desc.plural);
+            let (status, list) = raw(&client, "GET", &uri, "application/json", "").await;
+            assert_eq!(status, 200, "{backend:?} GET {uri}: {list}");
+            assert_eq!(list["items"], json!([]), "{backend:?} {uri}");
+            let rv = list["metadata"]["resourceVersion"].as_str().unwrap_or("");
+            assert!(
+                rv.parse::<u64>().is_ok_and(|n| n > 0),
+                "{backend:?} {uri}: resourceVersion {rv:?} (client-go refuses \"0\" and \"\")"
+            );
+            versions.push(rv.to_owned());
+        }
+        // One counter for every kind: all lists name the same version.
+        assert!(versions.windows(2).all(|w| w[0] == w[1]), "{versions:?}");
+
+        let api: Api<PolicyReport> = Api::namespaced(client, "ns");
+        let mut events = api
+            .watch(&WatchParams::default().timeout(10), &versions[0])
+            .await
+            .unwrap()
+            .boxed();
+        let created = api
+            .create(&PostParams::default(), &report("ns", 1))
+            .await
+            .unwrap();
+        match events.try_next().await.unwrap() {
+            Some(WatchEvent::Added(o)) => {
+                assert_eq!(o.metadata.name, created.metadata.name, "{backend:?}");
+                let rv: u64 = o.metadata.resource_version.unwrap().parse().unwrap();
+                assert!(rv > versions[0].parse().unwrap(), "{backend:?}");
+            }
+            other => panic!("{backend:?}: expected ADDED from the list's version, got {other:?}"),
+        }
+    }
+}

@@ -23,6 +23,7 @@ use kube::api::{
     Preconditions, PropagationPolicy, WatchEvent, WatchParams,
 };
 use kube::runtime::watcher;
+use reports_server_apiserver::http::objects::stamp_new;
 use reports_server_crds::ResourceDescriptor;
 use reports_server_crds::catalog;
 use reports_server_tests::Backend;
@@ -1027,43 +1028,20 @@ async fn bulk_create(
     ns: &str,
     names: &[String],
 ) -> i64 {
-    use reports_server_apiserver::store::write_target::Target;
-    use reports_server_apiserver::store::{Mutation, StoreError};
     let mut last = 0;
     for chunk in names.chunks(1000) {
-        let targets: Vec<Target<'_>> = chunk
+        let objects = chunk
             .iter()
-            .map(|n| Target {
-                resource: desc,
-                namespace: ns,
-                name: n,
-            })
-            .collect();
-        let objects: Vec<Value> = chunk
-            .iter()
-            .enumerate()
-            .map(|(i, n)| {
+            .map(|n| {
                 let mut o = report(desc, n, &[("bulk", "true")], 1);
                 if desc.namespaced {
                     o["metadata"]["namespace"] = json!(ns);
                 }
-                o["metadata"]["uid"] = json!(format!(
-                    "{:08x}-0000-4000-8000-{:012x}",
-                    std::process::id(),
-                    i as u64 + (last as u64) * 1000
-                ));
-                o["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
-                o["metadata"]["generation"] = json!(1);
+                stamp_new(o["metadata"].as_object_mut().expect("metadata"), n);
                 o
             })
             .collect();
-        let outcomes = store
-            .mutate_batch::<StoreError, _>(&targets, false, |i, _| {
-                Ok(Mutation::Put(objects[i].clone()))
-            })
-            .await
-            .unwrap();
-        last = outcomes.last().unwrap().resource_version;
+        last = store.put_all(desc, objects).await.unwrap();
     }
     last
 }

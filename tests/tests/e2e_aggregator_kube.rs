@@ -20,7 +20,6 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, ObjectMeta, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
 use reports_server_crds::fixtures::{PSS_RULES, Subject, pss_ephemeral_report};
 use reports_server_crds::{
     ClusterEphemeralReport, ClusterPolicyReport, EphemeralReport, PolicyReport, PolicyResult,
@@ -28,8 +27,11 @@ use reports_server_crds::{
 };
 use reports_server_tests::controlplane::{ControlPlane, ControlPlaneOptions, spawn_tied_to_test};
 use reports_server_tests::kubectl::Kubectl;
+use reports_server_tests::kyverno_fixtures::{
+    CLUSTER_POLICY_CRD, admission_report, background_report, cluster_policy_api,
+    pss_cluster_policies, subject_of,
+};
 use reports_server_tests::server::{binary, free_port};
-use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const T0: i64 = 1_700_000_000;
@@ -39,31 +41,6 @@ const LEASE_NAMESPACE: &str = "default";
 const LEASE_NAME: &str = "reports-server-aggregator";
 /// The policy deleted half-way (rule `host-path`).
 const DELETED_POLICY: &str = "disallow-host-path";
-
-/// A minimal ClusterPolicy CRD: the aggregator only reads names, rules and labels.
-const CLUSTER_POLICY_CRD: &str = r#"
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: clusterpolicies.kyverno.io
-spec:
-  group: kyverno.io
-  names:
-    kind: ClusterPolicy
-    listKind: ClusterPolicyList
-    plural: clusterpolicies
-    singular: clusterpolicy
-    shortNames: [cpol]
-  scope: Cluster
-  versions:
-  - name: v1
-    served: true
-    storage: true
-    schema:
-      openAPIV3Schema:
-        type: object
-        x-kubernetes-preserve-unknown-fields: true
-"#;
 
 /// `reports-server aggregate --kubeconfig …` as a child process.
 struct AggregatorProcess {
@@ -201,88 +178,6 @@ async fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
     Ok((status, body))
 }
 
-fn subject_of(cm: &ConfigMap) -> Subject {
-    Subject {
-        namespace: cm.metadata.namespace.clone().unwrap_or_default(),
-        name: cm.metadata.name.clone().unwrap_or_default(),
-        uid: cm.metadata.uid.clone().unwrap_or_default(),
-    }
-}
-
-/// A background-scan report for a ConfigMap (owned, `<uid>-<suffix>`), as Kyverno ≥ 1.14
-/// names them.
-fn background_report(
-    subject: &Subject,
-    suffix: &str,
-    ts: i64,
-    failing: &[usize],
-) -> EphemeralReport {
-    let mut report = pss_ephemeral_report(subject, ts, failing);
-    report.metadata.name = Some(format!("{}-{suffix}", subject.uid));
-    for owner in report.metadata.owner_references.iter_mut().flatten() {
-        owner.kind = "ConfigMap".into();
-    }
-    report
-        .metadata
-        .labels
-        .get_or_insert_with(Default::default)
-        .insert("audit.kyverno.io/resource.kind".into(), "ConfigMap".into());
-    report
-}
-
-/// An admission report as Kyverno's webhook writes it: no ownerReference, the subject in the
-/// gvr/uid labels and the name/namespace annotations.
-fn admission_report(subject: &Subject, name: &str, ts: i64, failing: &[usize]) -> EphemeralReport {
-    let mut report = background_report(subject, "unused", ts, failing);
-    report.metadata.name = Some(name.to_owned());
-    report.metadata.owner_references = None;
-    let labels = report.metadata.labels.get_or_insert_with(Default::default);
-    labels.insert("audit.kyverno.io/source".into(), "admission".into());
-    labels.insert(
-        "audit.kyverno.io/resource.gvr".into(),
-        "configmaps.v1".into(),
-    );
-    report
-        .metadata
-        .annotations
-        .get_or_insert_with(Default::default)
-        .insert(
-            "audit.kyverno.io/resource.namespace".into(),
-            subject.namespace.clone(),
-        );
-    report
-}
-
-/// The 17 PSS ClusterPolicies behind the fixture results (Pod rules, so autogen applies).
-fn pss_cluster_policies() -> Vec<serde_json::Value> {
-    let mut rules: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (policy, rule, _) in PSS_RULES {
-        rules.entry(policy).or_default().push(rule);
-    }
-    rules
-        .into_iter()
-        .map(|(policy, rules)| {
-            let rules: Vec<_> = rules
-                .into_iter()
-                .map(|r| {
-                    json!({"name": r, "match": {"any": [{"resources": {"kinds": ["Pod"]}}]},
-                                "validate": {"pattern": {"spec": {}}}})
-                })
-                .collect();
-            json!({"apiVersion": "kyverno.io/v1", "kind": "ClusterPolicy",
-                   "metadata": {"name": policy}, "spec": {"background": true, "rules": rules}})
-        })
-        .collect()
-}
-
-fn cluster_policy_api(client: &kube::Client) -> Api<DynamicObject> {
-    let ar = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("kyverno.io", "v1", "ClusterPolicy"),
-        "clusterpolicies",
-    );
-    Api::all_with(client.clone(), &ar)
-}
-
 /// What a subject's PolicyReport must hold.
 struct Expected<'a> {
     ts: i64,
@@ -388,6 +283,35 @@ fn check_report(report: &PolicyReport, cm: &ConfigMap, expected: &Expected<'_>) 
         .count() as i64;
     if (summary.fail, summary.pass) != (Some(fails), Some(passes)) {
         bail!("{what}: summary {summary:?}, results say fail={fails} pass={passes}");
+    }
+    Ok(())
+}
+
+/// Every ConfigMap's report once the ClusterPolicy is gone: the first ConfigMap has its newer
+/// admission results, the others their background results, none has the deleted policy's.
+async fn check_reports_after_policy_deletion(
+    client: &kube::Client,
+    cms: &[&ConfigMap],
+) -> Result<()> {
+    for (i, cm) in cms.iter().enumerate() {
+        let ns = cm.metadata.namespace.as_deref().unwrap();
+        let report = Api::<PolicyReport>::namespaced(client.clone(), ns)
+            .get(cm.metadata.uid.as_deref().unwrap())
+            .await?;
+        let (ts, failing) = if i == 0 {
+            (T0 + 60, vec![5])
+        } else {
+            (T0, vec![i % PSS_RULES.len()])
+        };
+        check_report(
+            &report,
+            cm,
+            &Expected {
+                ts,
+                failing: &failing,
+                policy_deleted: true,
+            },
+        )?;
     }
     Ok(())
 }
@@ -736,26 +660,7 @@ async fn aggregator_through_kube_apiserver() -> Result<()> {
         },
     )
     .await?;
-    for (i, cm) in all_cms.iter().enumerate() {
-        let ns = cm.metadata.namespace.as_deref().unwrap();
-        let report = Api::<PolicyReport>::namespaced(client.clone(), ns)
-            .get(cm.metadata.uid.as_deref().unwrap())
-            .await?;
-        let (ts, failing) = if i == 0 {
-            (T0 + 60, vec![5])
-        } else {
-            (T0, vec![i % PSS_RULES.len()])
-        };
-        check_report(
-            &report,
-            cm,
-            &Expected {
-                ts,
-                failing: &failing,
-                policy_deleted: true,
-            },
-        )?;
-    }
+    check_reports_after_policy_deletion(&client, &all_cms).await?;
 
     // ---- 4. SIGKILL in the middle of a namespace, successor takes over ---------------------
     agg.kill();
@@ -839,26 +744,7 @@ async fn aggregator_through_kube_apiserver() -> Result<()> {
         spec.lease_transitions
     );
     // The earlier namespaces were re-merged by the new leader's initial sweep: still intact.
-    for (i, cm) in all_cms.iter().enumerate() {
-        let ns = cm.metadata.namespace.as_deref().unwrap();
-        let report = Api::<PolicyReport>::namespaced(client.clone(), ns)
-            .get(cm.metadata.uid.as_deref().unwrap())
-            .await?;
-        let (ts, failing) = if i == 0 {
-            (T0 + 60, vec![5])
-        } else {
-            (T0, vec![i % PSS_RULES.len()])
-        };
-        check_report(
-            &report,
-            cm,
-            &Expected {
-                ts,
-                failing: &failing,
-                policy_deleted: true,
-            },
-        )?;
-    }
+    check_reports_after_policy_deletion(&client, &all_cms).await?;
     eprintln!(
         "[e2e-agg] after the crash: 60 reports with 18 results each, newest scan won, none doubled; total {:.1?}",
         started.elapsed()

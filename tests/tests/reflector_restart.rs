@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
+use reports_server_apiserver::http::objects::stamp_new;
 use reports_server_apiserver::store::feed::read_changes;
 use reports_server_apiserver::store::write_target::Target;
 use reports_server_apiserver::store::{EventType, Mutation, Store, StoreError, StoreOptions};
@@ -133,37 +134,16 @@ async fn seed(store: &Store, namespaces: usize, total: usize) -> u64 {
         .map(|i| (format!("ns-{}", i % namespaces), format!("seed-{i:05}")))
         .collect();
     let mut last = 0;
-    for (c, chunk) in keys.chunks(1000).enumerate() {
-        let targets: Vec<Target<'_>> = chunk
+    for chunk in keys.chunks(1000) {
+        let objects = chunk
             .iter()
-            .map(|(ns, name)| Target {
-                resource: &POLICY_REPORT,
-                namespace: ns,
-                name,
-            })
-            .collect();
-        let objects: Vec<Value> = chunk
-            .iter()
-            .enumerate()
-            .map(|(i, (ns, name))| {
+            .map(|(ns, name)| {
                 let mut o = report(ns, name, 1);
-                o["metadata"]["uid"] = json!(format!(
-                    "{:08x}-0000-4000-8000-{:012x}",
-                    std::process::id(),
-                    c * 1000 + i
-                ));
-                o["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
-                o["metadata"]["generation"] = json!(1);
+                stamp_new(o["metadata"].as_object_mut().expect("metadata"), name);
                 o
             })
             .collect();
-        let outcomes = store
-            .mutate_batch::<StoreError, _>(&targets, false, |i, _| {
-                Ok(Mutation::Put(objects[i].clone()))
-            })
-            .await
-            .unwrap();
-        last = outcomes.last().unwrap().resource_version as u64;
+        last = store.put_all(&POLICY_REPORT, objects).await.unwrap() as u64;
     }
     last
 }

@@ -270,3 +270,87 @@ async fn a_failed_decision_writes_nothing() {
         assert_eq!(store.versions().await.unwrap().0, before);
     }
 }
+
+/// Regression (a real Kyverno on a fresh install): an empty store answered lists with
+/// resourceVersion "0", which client-go reads as "any version" and its RetryWatcher refuses, so
+/// no Kyverno controller ever started its report watcher. The counter starts above zero for a
+/// fresh database, for a further `cluster_id` in an existing one, and after the migration of a
+/// database whose counter row was created at 0.
+#[tokio::test]
+async fn the_current_resource_version_is_never_zero() {
+    use reports_server_apiserver::store::FIRST_RESOURCE_VERSION;
+    use sea_orm::ConnectionTrait as _;
+
+    const { assert!(FIRST_RESOURCE_VERSION > 0) };
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, url) = open(backend, dir.path()).await;
+        let (current, compacted) = store.versions().await.unwrap();
+        assert_eq!(
+            current, FIRST_RESOURCE_VERSION,
+            "{backend:?}: fresh database"
+        );
+        assert!(compacted <= current, "{backend:?}");
+        let page = store
+            .list(&ListQuery {
+                resource: &POLICY_REPORT,
+                namespace: None,
+                labels: LabelSelector::parse("").unwrap(),
+                fields: FieldSelector::parse("").unwrap(),
+                limit: Some(10),
+                after: None,
+                metadata_only: false,
+            })
+            .await
+            .unwrap();
+        assert!(page.rows.is_empty());
+        assert_eq!(
+            page.resource_version, FIRST_RESOURCE_VERSION,
+            "{backend:?}: empty list"
+        );
+        // The first write comes after it, still gapless from there.
+        let rv = put(&store, "ns", "first", report("ns", 1, &[])).await;
+        assert_eq!(rv, FIRST_RESOURCE_VERSION + 1, "{backend:?}");
+
+        // A second cluster sharing the database gets its own counter, also above zero.
+        let mut other = StoreOptions::new(url.clone());
+        other.cluster_id = "cluster-b".into();
+        let b = Store::connect(other).await.unwrap();
+        assert_eq!(
+            b.versions().await.unwrap().0,
+            FIRST_RESOURCE_VERSION,
+            "{backend:?}"
+        );
+        drop(b);
+        drop(store);
+
+        // A database from before the fix: a counter row at 0 and the migration not yet applied.
+        let db = sea_orm::Database::connect(url.as_str()).await.unwrap();
+        db.execute_unprepared(
+            "UPDATE store_state SET rv = 0, compacted_rv = 0 WHERE cluster_id = 'cluster-b'",
+        )
+        .await
+        .unwrap();
+        db.execute_unprepared(
+            "DELETE FROM seaql_migrations WHERE version = 'm20261123_000003_nonzero_resource_version'",
+        )
+        .await
+        .unwrap();
+        db.close().await.unwrap();
+        let mut legacy = StoreOptions::new(url.clone());
+        legacy.cluster_id = "cluster-b".into();
+        let b = Store::connect(legacy).await.unwrap();
+        assert_eq!(
+            b.versions().await.unwrap().0,
+            FIRST_RESOURCE_VERSION,
+            "{backend:?}: migrated counter"
+        );
+        // The migration leaves counters that are already in use alone.
+        let a = Store::connect(StoreOptions::new(url)).await.unwrap();
+        assert_eq!(
+            a.versions().await.unwrap().0,
+            FIRST_RESOURCE_VERSION + 1,
+            "{backend:?}"
+        );
+    }
+}

@@ -9,10 +9,12 @@
 //! refused with 403 deletes it at once (Kyverno ≥ 1.13).
 //!
 //! [`locate`] and [`decide`] are the pure part (what to look up, what to do with the answer);
-//! [`Adopter`] does the I/O. Where we differ from Kyverno: a lookup that fails for another
+//! [`Adopter`] does the I/O: lookups through the cluster's API, writes wherever the reports
+//! live ([`EphemeralReports`]: the API, or reports-server's store for in-process aggregation). Where we differ from Kyverno: a lookup that fails for another
 //! reason (API server unavailable, timeout) never deletes a report, whatever its age — an outage
 //! must not destroy results; the report is looked at again later.
 
+use std::future::Future;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -213,14 +215,132 @@ pub struct AdoptionOutcome {
     pub retry_after: Option<Duration>,
 }
 
-/// The I/O side of adoption.
-pub struct Adopter {
+/// What writing one adoption decision did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Written {
+    Done,
+    /// The report is gone already (someone else consumed or deleted it).
+    Gone,
+    /// The report changed since it was listed (its `resourceVersion` precondition failed); the
+    /// next pass looks at it again.
+    Changed,
+}
+
+/// A failure of the storage holding the ephemeral reports.
+pub type ReportsError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Where the ephemeral reports live: the Kubernetes API ([`ApiEphemeralReports`]) or, for
+/// `reports-server serve`'s in-process aggregation, the server's own store. The adoption rules
+/// and the lookups are the same for both; only these three operations differ.
+pub trait EphemeralReports: Send + Sync {
+    /// The metadata of every ephemeral report of `namespace` (`""`: the cluster ephemeral
+    /// reports) without an ownerReference.
+    fn unowned(
+        &self,
+        namespace: &str,
+    ) -> impl Future<Output = Result<Vec<ObjectMeta>, ReportsError>> + Send;
+
+    /// Sets `owner` as the only ownerReference and its UID as the `audit.kyverno.io/resource.uid`
+    /// label, if the report still has the `resourceVersion` of `report`.
+    fn adopt(
+        &self,
+        namespace: &str,
+        report: &ObjectMeta,
+        owner: &OwnerReference,
+    ) -> impl Future<Output = Result<Written, ReportsError>> + Send;
+
+    /// Deletes the report if it still has the `uid` and `resourceVersion` of `report`.
+    fn delete(
+        &self,
+        namespace: &str,
+        report: &ObjectMeta,
+    ) -> impl Future<Output = Result<Written, ReportsError>> + Send;
+}
+
+/// [`EphemeralReports`] through the Kubernetes API.
+pub struct ApiEphemeralReports {
+    client: Client,
+    list_page_size: u32,
+}
+
+impl ApiEphemeralReports {
+    pub fn new(client: Client, list_page_size: u32) -> Self {
+        ApiEphemeralReports {
+            client,
+            list_page_size: list_page_size.max(1),
+        }
+    }
+
+    fn api(&self, namespace: &str) -> Api<DynamicObject> {
+        api(&self.client, ephemeral_kind(namespace), namespace)
+    }
+}
+
+/// Not found and conflicts are outcomes, not failures.
+fn written(result: Result<(), kube::Error>) -> Result<Written, ReportsError> {
+    match result {
+        Ok(()) => Ok(Written::Done),
+        Err(e) if is_not_found(&e) => Ok(Written::Gone),
+        Err(e) if is_conflict(&e) => Ok(Written::Changed),
+        Err(e) => Err(e.into()),
+    }
+}
+
+impl EphemeralReports for ApiEphemeralReports {
+    async fn unowned(&self, namespace: &str) -> Result<Vec<ObjectMeta>, ReportsError> {
+        let params = ListParams::default().limit(self.list_page_size);
+        Ok(list_metadata_all(&self.api(namespace), &params)
+            .await?
+            .into_iter()
+            .map(|o| o.metadata)
+            .filter(needs_adoption)
+            .collect())
+    }
+
+    async fn adopt(
+        &self,
+        namespace: &str,
+        report: &ObjectMeta,
+        owner: &OwnerReference,
+    ) -> Result<Written, ReportsError> {
+        // resourceVersion in a merge patch is a precondition: a report changed since it was
+        // listed is left for the next pass.
+        let patch = json!({"metadata": {
+            "resourceVersion": report.resource_version,
+            "ownerReferences": [owner],
+            "labels": {LABEL_RESOURCE_UID: owner.uid},
+        }});
+        let name = report.name.as_deref().unwrap_or_default();
+        written(
+            self.api(namespace)
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(drop),
+        )
+    }
+
+    async fn delete(&self, namespace: &str, report: &ObjectMeta) -> Result<Written, ReportsError> {
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                resource_version: report.resource_version.clone(),
+                uid: report.uid.clone(),
+            }),
+            ..DeleteParams::default()
+        };
+        let name = report.name.as_deref().unwrap_or_default();
+        written(self.api(namespace).delete(name, &params).await.map(drop))
+    }
+}
+
+/// The I/O side of adoption: subjects are looked up through the cluster's API, decisions are
+/// written wherever the reports live.
+pub struct Adopter<R> {
+    reports: R,
     client: Client,
     discovery: DiscoveryCache,
     config: AdoptionConfig,
     metrics: ClusterMetrics,
     concurrency: usize,
-    list_page_size: u32,
 }
 
 enum Done {
@@ -230,22 +350,22 @@ enum Done {
     Nothing,
 }
 
-impl Adopter {
+impl<R: EphemeralReports> Adopter<R> {
     pub fn new(
+        reports: R,
         client: Client,
         discovery: DiscoveryCache,
         config: AdoptionConfig,
         metrics: ClusterMetrics,
         concurrency: usize,
-        list_page_size: u32,
     ) -> Self {
         Adopter {
+            reports,
             client,
             discovery,
             config,
             metrics,
             concurrency: concurrency.max(1),
-            list_page_size: list_page_size.max(1),
         }
     }
 
@@ -294,25 +414,20 @@ impl Adopter {
     /// Adopts or deletes every un-owned ephemeral report of `namespace` (`""`: the cluster
     /// ephemeral reports).
     pub async fn adopt_namespace(&self, namespace: &str) -> Result<AdoptionOutcome, ClusterError> {
-        let kind = ephemeral_kind(namespace);
-        let api = api(&self.client, kind, namespace);
-        let params = ListParams::default().limit(self.list_page_size);
-        let unowned: Vec<ObjectMeta> = list_metadata_all(&api, &params)
-            .await
-            .map_err(|e| ClusterError::kube(format!("list {kind} in {namespace:?}"), e))?
-            .into_iter()
-            .map(|o| o.metadata)
-            .filter(needs_adoption)
-            .collect();
+        let unowned =
+            self.reports
+                .unowned(namespace)
+                .await
+                .map_err(|source| ClusterError::Reports {
+                    what: format!("list {} in {namespace:?}", ephemeral_kind(namespace)),
+                    source,
+                })?;
         let mut outcome = AdoptionOutcome::default();
         if unowned.is_empty() {
             return Ok(outcome);
         }
         let results = futures::stream::iter(unowned)
-            .map(|meta| {
-                let api = api.clone();
-                async move { self.handle(&api, namespace, meta).await }
-            })
+            .map(|meta| async move { self.handle(namespace, meta).await })
             .buffer_unordered(self.concurrency)
             .collect::<Vec<_>>()
             .await;
@@ -330,72 +445,48 @@ impl Adopter {
         Ok(outcome)
     }
 
-    async fn handle(&self, api: &Api<DynamicObject>, namespace: &str, meta: ObjectMeta) -> Done {
-        let name = meta.name.clone().unwrap_or_default();
+    async fn handle(&self, namespace: &str, meta: ObjectMeta) -> Done {
+        let name = meta.name.as_deref().unwrap_or_default();
         let locator = locate(&meta, namespace);
         let lookup = self.lookup(locator.as_ref()).await;
         let decision = decide(&meta, &lookup, Timestamp::now(), &self.config);
-        let rv = meta.resource_version.clone();
         let done = match decision {
             Decision::Owned => Done::Nothing,
-            Decision::Adopt(owner) => {
-                // resourceVersion in a merge patch is a precondition: a report changed since it
-                // was listed is left for the next pass.
-                let patch = json!({"metadata": {
-                    "resourceVersion": rv,
-                    "ownerReferences": [owner],
-                    "labels": {LABEL_RESOURCE_UID: owner.uid},
-                }});
-                match api
-                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    Ok(_) => {
-                        tracing::debug!(
-                            namespace,
-                            report = name,
-                            subject = owner.name,
-                            "adopted admission report"
-                        );
-                        Done::Adopted
-                    }
-                    Err(e) if is_not_found(&e) => Done::Nothing,
-                    Err(e) => {
-                        if !is_conflict(&e) {
-                            tracing::warn!(namespace, report = name, error = %e, "cannot adopt admission report; will retry");
-                        }
-                        Done::Pending(self.config.retry)
-                    }
+            Decision::Adopt(owner) => match self.reports.adopt(namespace, &meta, &owner).await {
+                Ok(Written::Done) => {
+                    tracing::debug!(
+                        namespace,
+                        report = name,
+                        subject = owner.name,
+                        "adopted admission report"
+                    );
+                    Done::Adopted
                 }
-            }
-            Decision::Delete(reason) => {
-                let params = DeleteParams {
-                    preconditions: Some(Preconditions {
-                        resource_version: rv,
-                        uid: meta.uid.clone(),
-                    }),
-                    ..DeleteParams::default()
-                };
-                match api.delete(&name, &params).await {
-                    Ok(_) => {
-                        tracing::info!(
-                            namespace,
-                            report = name,
-                            ?reason,
-                            ?lookup,
-                            "deleted an admission report whose resource cannot be found"
-                        );
-                        Done::Deleted
-                    }
-                    Err(e) if is_not_found(&e) => Done::Nothing,
-                    Err(e) => {
-                        if !is_conflict(&e) {
-                            tracing::warn!(namespace, report = name, error = %e, "cannot delete unadoptable report; will retry");
-                        }
-                        Done::Pending(self.config.retry)
-                    }
+                Ok(Written::Gone) => Done::Nothing,
+                Ok(Written::Changed) => Done::Pending(self.config.retry),
+                Err(e) => {
+                    tracing::warn!(namespace, report = name, error = %e, "cannot adopt admission report; will retry");
+                    Done::Pending(self.config.retry)
                 }
-            }
+            },
+            Decision::Delete(reason) => match self.reports.delete(namespace, &meta).await {
+                Ok(Written::Done) => {
+                    tracing::info!(
+                        namespace,
+                        report = name,
+                        ?reason,
+                        ?lookup,
+                        "deleted an admission report whose resource cannot be found"
+                    );
+                    Done::Deleted
+                }
+                Ok(Written::Gone) => Done::Nothing,
+                Ok(Written::Changed) => Done::Pending(self.config.retry),
+                Err(e) => {
+                    tracing::warn!(namespace, report = name, error = %e, "cannot delete unadoptable report; will retry");
+                    Done::Pending(self.config.retry)
+                }
+            },
             Decision::Retry(after) => {
                 if let Lookup::Failed(reason) = &lookup {
                     tracing::warn!(

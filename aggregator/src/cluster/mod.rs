@@ -59,7 +59,9 @@ pub mod policies;
 pub mod resources;
 pub mod runner;
 
-pub use adoption::{AdoptionConfig, Decision, Lookup};
+pub use adoption::{
+    Adopter, AdoptionConfig, ApiEphemeralReports, Decision, EphemeralReports, Lookup, Written,
+};
 pub use backend::KubeBackend;
 pub use lease::LeaseConfig;
 pub use metrics::ClusterMetrics;
@@ -87,6 +89,13 @@ pub enum ClusterError {
         address: std::net::SocketAddr,
         #[source]
         source: std::io::Error,
+    },
+    /// Reading or writing ephemeral reports failed.
+    #[error("{what}: {source}")]
+    Reports {
+        what: String,
+        #[source]
+        source: adoption::ReportsError,
     },
     /// A merge failed.
     #[error(transparent)]

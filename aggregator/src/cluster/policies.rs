@@ -91,6 +91,29 @@ fn object_key(object: &DynamicObject) -> (String, String) {
     )
 }
 
+/// How long a burst of policy events (an install of many policies) may last and still count as
+/// one change.
+pub const CHANGE_SETTLE: Duration = Duration::from_secs(1);
+
+/// Waits for the next change of a published policy set, then for the burst it starts to settle
+/// ([`CHANGE_SETTLE`]), and returns the set as it is then; `None` once `cancel` fires or the
+/// publisher is gone. Every consumer of [`PolicyWatcher::policies`] that re-merges on a change
+/// loops on this.
+pub async fn next_change(
+    policies: &mut watch::Receiver<Option<PolicySet>>,
+    cancel: &CancellationToken,
+) -> Option<Option<PolicySet>> {
+    tokio::select! {
+        _ = cancel.cancelled() => return None,
+        changed = policies.changed() => changed.ok()?,
+    }
+    tokio::select! {
+        _ = cancel.cancelled() => return None,
+        _ = tokio::time::sleep(CHANGE_SETTLE) => {}
+    }
+    Some(policies.borrow_and_update().clone())
+}
+
 impl PolicyWatcher {
     pub fn new(metrics: ClusterMetrics) -> Arc<Self> {
         Arc::new(PolicyWatcher {

@@ -15,12 +15,12 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::adoption::{Adopter, AdoptionConfig};
+use super::adoption::{Adopter, AdoptionConfig, ApiEphemeralReports};
 use super::backend::{KubeBackend, KubeBackendConfig};
 use super::discovery::{DEFAULT_TTL, DiscoveryCache, Target};
 use super::lease::{Elector, LeaseConfig};
 use super::metrics::ClusterMetrics;
-use super::policies::{DEFAULT_REDISCOVERY, PolicyWatcher};
+use super::policies::{DEFAULT_REDISCOVERY, PolicyWatcher, next_change};
 use super::resources::{api_resource, list_metadata_all};
 use super::{ClusterError, http};
 use crate::aggregator::{Aggregator, AggregatorConfig};
@@ -180,12 +180,12 @@ impl ClusterAggregator {
         ));
         let aggregator = Aggregator::new(backend, config, self.metrics.clone());
         let adopter = Arc::new(Adopter::new(
+            ApiEphemeralReports::new(self.client.clone(), self.config.backend.list_page_size),
             self.client.clone(),
             DiscoveryCache::new(self.client.clone(), DEFAULT_TTL),
             self.config.adoption.clone(),
             self.cluster_metrics.clone(),
             self.config.backend.concurrency,
-            self.config.backend.list_page_size,
         ));
 
         let handler = {
@@ -275,17 +275,7 @@ impl ClusterAggregator {
         term: &CancellationToken,
     ) {
         policies.borrow_and_update();
-        loop {
-            tokio::select! {
-                _ = term.cancelled() => return,
-                changed = policies.changed() => if changed.is_err() { return },
-            }
-            // A burst of policy events (an install of many policies) gives one sweep.
-            tokio::select! {
-                _ = term.cancelled() => return,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-            }
-            policies.borrow_and_update();
+        while next_change(&mut policies, term).await.is_some() {
             tracing::info!("policy set changed; enqueuing every namespace with policy reports");
             self.enqueue_all(aggregator, term).await;
         }

@@ -269,24 +269,22 @@ impl ApplyPlan {
     /// to `--server-side` without conflicts.
     pub fn finish(
         &self,
-        new: Value,
+        mut new: Value,
         config: &Value,
         force: bool,
     ) -> Result<Value, FieldManagerError> {
-        match self.record(new.clone(), force) {
+        match self.record(&mut new, force) {
             Err(FieldManagerError::Conflicts(conflicts))
                 if self.manager == KUBECTL && self.last_applied_allows(&conflicts) =>
             {
-                self.record(new, true)
+                self.record(&mut new, true)?
             }
-            other => other,
+            other => other?,
         }
-        .map(|mut object| {
-            if self.manager == KUBECTL {
-                update_last_applied(&mut object, config);
-            }
-            object
-        })
+        if self.manager == KUBECTL {
+            update_last_applied(&mut new, config);
+        }
+        Ok(new)
     }
 
     fn last_applied_allows(&self, conflicts: &[Conflict]) -> bool {
@@ -308,7 +306,8 @@ impl ApplyPlan {
         conflicts.iter().all(|c| allowed.contains(&c.path))
     }
 
-    fn record(&self, mut new: Value, force: bool) -> Result<Value, FieldManagerError> {
+    /// Writes the managedFields of this apply into `new`; on conflicts `new` keeps none.
+    fn record(&self, new: &mut Value, force: bool) -> Result<(), FieldManagerError> {
         if let Some(meta) = new.get_mut("metadata").and_then(Value::as_object_mut) {
             meta.remove("managedFields");
         }
@@ -317,7 +316,7 @@ impl ApplyPlan {
             .record_apply(
                 &self.kind.shape,
                 &self.live,
-                &new,
+                new,
                 &self.manager,
                 &self.api_version,
                 &self.applied,
@@ -325,8 +324,8 @@ impl ApplyPlan {
                 &self.now,
             )
             .map_err(FieldManagerError::Conflicts)?;
-        set_managed_fields(&mut new, &managed);
-        Ok(new)
+        set_managed_fields(new, &managed);
+        Ok(())
     }
 }
 

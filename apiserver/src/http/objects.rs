@@ -277,8 +277,9 @@ pub fn prepare_create_as(
     Ok((object, name, warnings))
 }
 
-/// The server-owned metadata of a new object.
-fn stamp_new(meta: &mut Map<String, Value>, name: &str) {
+/// The server-owned metadata of a new object (also used to seed stores in bulk with objects
+/// exactly as a create would have stored them).
+pub fn stamp_new(meta: &mut Map<String, Value>, name: &str) {
     for f in SERVER_FIELDS {
         meta.remove(f);
     }

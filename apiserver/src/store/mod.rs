@@ -2,7 +2,8 @@
 //! resourceVersion, a change log for watches and one row per policy result.
 //!
 //! # resourceVersion
-//! One 64-bit counter per `cluster_id` lives in `store_state`. Every write transaction starts by
+//! One 64-bit counter per `cluster_id` lives in `store_state`, starting at
+//! [`FIRST_RESOURCE_VERSION`] (never `"0"`, which client-go reads as "any version"). Every write transaction starts by
 //! incrementing it (`UPDATE … SET rv = rv + 1`), which takes the row lock and holds it until
 //! commit. Writers are therefore serialized and commit in counter order, on every backend and
 //! across replicas sharing a database, so a reader that has seen rv N has seen every rv < N: the
@@ -31,6 +32,7 @@ use sea_orm_migration::MigratorTrait;
 use serde_json::Value;
 
 pub use feed::{Change, ChangeFeed, EventType};
+pub use migration::m20261123_000003_nonzero_resource_version::FIRST_RESOURCE_VERSION;
 pub use read::{ListPage, ListQuery, ListRow};
 pub use write::{Mutation, WriteOutcome};
 
@@ -178,23 +180,29 @@ impl Store {
         Ok(())
     }
 
+    /// Creates this `cluster_id`'s counter row at [`FIRST_RESOURCE_VERSION`], never 0: client-go
+    /// reads `"0"` as "any version" and its `RetryWatcher` refuses it (see the migration that
+    /// defines the constant).
     async fn ensure_state_row(&self) -> Result<(), StoreError> {
         let sql = match self.backend {
             DbBackend::MySql => {
-                "INSERT IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, 0, 0)"
+                "INSERT IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, ?, 0)"
             }
             DbBackend::Postgres => {
-                "INSERT INTO store_state (cluster_id, rv, compacted_rv) VALUES ($1, 0, 0) ON CONFLICT DO NOTHING"
+                "INSERT INTO store_state (cluster_id, rv, compacted_rv) VALUES ($1, $2, 0) ON CONFLICT DO NOTHING"
             }
             _ => {
-                "INSERT OR IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, 0, 0)"
+                "INSERT OR IGNORE INTO store_state (cluster_id, rv, compacted_rv) VALUES (?, ?, 0)"
             }
         };
         self.db
             .execute_raw(Statement::from_sql_and_values(
                 self.backend,
                 sql,
-                [self.cluster_id.to_string().into()],
+                [
+                    self.cluster_id.to_string().into(),
+                    FIRST_RESOURCE_VERSION.into(),
+                ],
             ))
             .await?;
         Ok(())

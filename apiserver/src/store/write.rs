@@ -79,6 +79,41 @@ impl Store {
         Ok(outcomes.pop().expect("one outcome per target"))
     }
 
+    /// Stores whole objects as given (server-owned metadata included; namespace and name from
+    /// their metadata) in one transaction, replacing any with the same name; returns the last
+    /// resourceVersion written. For loading many objects at once: benchmarks and tests seed
+    /// with it; API writes go through [`Store::mutate`].
+    pub async fn put_all(
+        &self,
+        resource: &'static ResourceDescriptor,
+        objects: Vec<Value>,
+    ) -> Result<i64, StoreError> {
+        let keys: Vec<(String, String)> = objects
+            .iter()
+            .map(|o| {
+                let text = |field: &str| o["metadata"][field].as_str().unwrap_or("").to_owned();
+                (text("namespace"), text("name"))
+            })
+            .collect();
+        let targets: Vec<Target<'_>> = keys
+            .iter()
+            .map(|(namespace, name)| Target {
+                resource,
+                namespace,
+                name,
+            })
+            .collect();
+        let mut objects: Vec<Option<Value>> = objects.into_iter().map(Some).collect();
+        let outcomes = self
+            .mutate_batch::<StoreError, _>(&targets, false, |i, _| {
+                Ok(Mutation::Put(
+                    objects[i].take().expect("one decision per target"),
+                ))
+            })
+            .await?;
+        Ok(outcomes.last().map_or(0, |o| o.resource_version))
+    }
+
     /// Applies a decision to each target in one transaction: all of them or none.
     pub async fn mutate_batch<E, F>(
         &self,

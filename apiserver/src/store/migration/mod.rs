@@ -9,6 +9,7 @@ use sea_orm_migration::prelude::*;
 
 pub(crate) mod m20261121_000001_initial;
 pub(crate) mod m20261122_000002_aggregator_lease;
+pub(crate) mod m20261123_000003_nonzero_resource_version;
 
 pub struct Migrator;
 
@@ -18,6 +19,7 @@ impl MigratorTrait for Migrator {
         vec![
             Box::new(m20261121_000001_initial::Migration),
             Box::new(m20261122_000002_aggregator_lease::Migration),
+            Box::new(m20261123_000003_nonzero_resource_version::Migration),
         ]
     }
 }
