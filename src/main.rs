@@ -33,8 +33,42 @@ struct Cli {
         global = true
     )]
     log: String,
+    /// Log line format: `text` (coloured only on a terminal and without `NO_COLOR`) or `json`
+    /// (one object per line, for log collectors).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_LOG_FORMAT",
+        default_value = "text",
+        global = true,
+        value_enum
+    )]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Logs to stderr in the chosen format. Colour codes only reach a terminal: a log piped to a
+/// file or a collector stays plain text.
+fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
+    use std::io::IsTerminal as _;
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .with_context(|| format!("invalid --log filter {filter:?}"))?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder
+            .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
+            .init(),
+        LogFormat::Json => builder.json().with_current_span(true).init(),
+    }
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -221,12 +255,7 @@ impl DatabaseArgs {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.log).context("invalid --log filter")?,
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(&cli.log, cli.log_format)?;
     match cli.command {
         Command::Crds => {
             print!("{}", reports_server_crds::crd::all_crds_yaml());

@@ -289,6 +289,8 @@ impl ClusterAggregator {
         term: &CancellationToken,
     ) {
         let watch_kind = |kind: ReportKind| {
+            // kube ≥ 5 sends metadata-only requests (PartialObjectMetadata lists and watches)
+            // for an `Api<PartialObjectMeta<K>>`: report bodies never cross the wire here.
             let api: Api<PartialObjectMeta<DynamicObject>> =
                 Api::all_with(self.client.clone(), &api_resource(kind));
             async move {

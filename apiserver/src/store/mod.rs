@@ -52,6 +52,9 @@ pub enum StoreError {
     Corrupt(String, String),
     #[error("an object with this name already exists")]
     AlreadyExists,
+    /// The configuration cannot work (an unknown database URL scheme, …); retrying will not help.
+    #[error("invalid database configuration: {0}")]
+    Config(String),
 }
 
 impl From<DbErr> for StoreError {
@@ -127,6 +130,7 @@ pub struct Store {
 impl Store {
     /// Connects, runs migrations and starts the change feed.
     pub async fn connect(options: StoreOptions) -> Result<Self, StoreError> {
+        check_database_url(&options.database_url)?;
         let mut connect = ConnectOptions::new(options.database_url.clone());
         connect
             .max_connections(options.max_connections)
@@ -142,7 +146,11 @@ impl Store {
                     .foreign_keys(false)
             });
         }
-        let db = Database::connect(connect).await?;
+        let db = match Database::connect(connect).await {
+            Ok(db) => db,
+            Err(e) if is_pool_timeout(&e) => return Err(explain_pool_timeout(&options).await),
+            Err(e) => return Err(e.into()),
+        };
         let backend = db.get_database_backend();
         let store = Store {
             backend,
@@ -252,6 +260,82 @@ impl Store {
     }
 }
 
+/// The URL schemes the store has drivers for.
+const DATABASE_SCHEMES: [&str; 5] = ["sqlite", "postgres", "postgresql", "mysql", "mariadb"];
+
+/// Refuses a database URL no driver can open, as the configuration error it is (sea-orm would
+/// report it as a connection failure).
+fn check_database_url(url: &str) -> Result<(), StoreError> {
+    let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
+    if DATABASE_SCHEMES.contains(&scheme) {
+        return Ok(());
+    }
+    Err(StoreError::Config(format!(
+        "--database-url {:?} has the scheme {scheme:?}; use sqlite://PATH?mode=rwc, postgres://USER:PASSWORD@HOST:PORT/DATABASE or mysql://…",
+        redact_password(url)
+    )))
+}
+
+fn is_pool_timeout(e: &DbErr) -> bool {
+    matches!(
+        e,
+        DbErr::ConnectionAcquire(sea_orm::ConnAcquireErr::Timeout)
+    ) || e.to_string().contains("pool timed out")
+}
+
+/// A pool that times out hides why no connection could be made ("pool timed out while waiting
+/// for an open connection"); one direct connection attempt tells (connection refused, unknown
+/// host, password authentication failed, …).
+async fn explain_pool_timeout(options: &StoreOptions) -> StoreError {
+    use sqlx::ConnectOptions as _;
+    let url = &options.database_url;
+    let attempt = async {
+        let e = if url.starts_with("postgres") {
+            url.parse::<sqlx::postgres::PgConnectOptions>()?
+                .connect()
+                .await
+                .err()
+        } else if url.starts_with("mysql") || url.starts_with("mariadb") {
+            url.parse::<sqlx::mysql::MySqlConnectOptions>()?
+                .connect()
+                .await
+                .err()
+        } else {
+            url.parse::<sqlx::sqlite::SqliteConnectOptions>()?
+                .connect()
+                .await
+                .err()
+        };
+        Ok::<_, sqlx::Error>(e)
+    };
+    let cause = match tokio::time::timeout(options.connect_timeout, attempt).await {
+        Ok(Ok(Some(e)) | Err(e)) => e.to_string(),
+        Ok(Ok(None)) => "a direct connection works now; the database was slow to answer".into(),
+        Err(_) => format!(
+            "no answer within {:?} (--db-connect-timeout-seconds)",
+            options.connect_timeout
+        ),
+    };
+    StoreError::Unavailable(format!(
+        "cannot connect to {}: {cause}",
+        redact_password(url)
+    ))
+}
+
+/// The URL with its password replaced, for error messages.
+fn redact_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let Some((userinfo, host)) = rest.split_once('@') else {
+        return url.to_owned();
+    };
+    match userinfo.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+        None => url.to_owned(),
+    }
+}
+
 /// Decodes a stored JSON document (bodies returned by lists).
 pub fn parse_document_public(what: &str, text: &str) -> Result<Value, StoreError> {
     parse_document(what, text)
@@ -260,4 +344,57 @@ pub fn parse_document_public(what: &str, text: &str) -> Result<Value, StoreError
 /// Reads a JSON document column.
 pub(crate) fn parse_document(what: &str, text: &str) -> Result<Value, StoreError> {
     serde_json::from_str(text).map_err(|e| StoreError::Corrupt(what.to_owned(), e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_urls_without_a_driver_are_configuration_errors() {
+        for ok in [
+            "sqlite:///tmp/x.db?mode=rwc",
+            "sqlite::memory:",
+            "postgres://u:p@h/db",
+            "postgresql://h/db",
+            "mysql://h/db",
+        ] {
+            assert!(check_database_url(ok).is_ok(), "{ok}");
+        }
+        for bad in ["foo://bar", "reports.db", "", "http://db:5432"] {
+            let e = check_database_url(bad).unwrap_err();
+            assert!(matches!(e, StoreError::Config(_)), "{bad}: {e}");
+            assert!(e.to_string().contains("--database-url"), "{e}");
+        }
+    }
+
+    #[test]
+    fn passwords_are_left_out_of_messages() {
+        assert_eq!(
+            redact_password("postgres://rs:s3cret@db:5432/reports"),
+            "postgres://rs:***@db:5432/reports"
+        );
+        assert_eq!(
+            redact_password("postgres://db/reports"),
+            "postgres://db/reports"
+        );
+        assert_eq!(redact_password("sqlite:///x.db"), "sqlite:///x.db");
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_database_names_the_cause() {
+        // A port nothing listens on: the pool would only say "pool timed out".
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        let mut options = StoreOptions::new(format!("postgres://rs:pw@127.0.0.1:{port}/reports"));
+        options.connect_timeout = Duration::from_secs(2);
+        let e = match Store::connect(options).await {
+            Ok(_) => panic!("nothing listens on port {port}"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
+        assert!(e.to_lowercase().contains("refused"), "{e}");
+        assert!(!e.contains("pw@"), "{e}");
+    }
 }
