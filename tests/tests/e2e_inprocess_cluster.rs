@@ -7,7 +7,8 @@
 //!   never removed. Now it is adopted (the resource looked up, owner and UID set) and merged;
 //!   one whose resource does not exist is deleted after the grace period;
 //! * results of a deleted (or report-disabled) ClusterPolicy stayed in every PolicyReport. Now
-//!   the server watches Kyverno's policies and re-merges when they change.
+//!   the server watches Kyverno's policies and re-merges when they change — also when, as with
+//!   Kyverno 1.19, `kyverno.io` prefers a version (`v2`) that does not serve ClusterPolicy.
 //!
 //! Kyverno itself is played by the test (reports written as its webhook writes them); the
 //! Kyverno end-to-end suite runs the real thing. Needs what the control plane needs (Go or
@@ -35,6 +36,31 @@ const T0: i64 = 1_700_000_000;
 const GRACE: Duration = Duration::from_secs(10);
 const DELETED_POLICY: &str = "disallow-host-path";
 const DISABLED_POLICY: &str = "disallow-privileged-containers";
+
+/// A `kyverno.io` kind served in `v2` only, which makes `v2` the group's preferred version (as
+/// Kyverno 1.19's CleanupPolicy and PolicyException do).
+const V2_ONLY_KYVERNO_CRD: &str = r#"
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: cleanuppolicies.kyverno.io
+spec:
+  group: kyverno.io
+  names:
+    kind: CleanupPolicy
+    listKind: CleanupPolicyList
+    plural: cleanuppolicies
+    singular: cleanuppolicy
+  scope: Namespaced
+  versions:
+  - name: v2
+    served: true
+    storage: true
+    schema:
+      openAPIV3Schema:
+        type: object
+        x-kubernetes-preserve-unknown-fields: true
+"#;
 
 /// Polls `check` until it returns `Ok(Some(_))`; its last error or state explains a timeout.
 async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T>
@@ -101,14 +127,23 @@ async fn inprocess_aggregation_adopts_mutation_reports_and_follows_policies() ->
     let admin = Kubectl::new(cp.kubeconfig_path());
     let client = cp.client().await?;
 
-    // Kyverno's policies exist before the server starts, as on a cluster that adopts us.
+    // Kyverno's policies exist before the server starts, as on a cluster that adopts us. As in
+    // Kyverno 1.19, `kyverno.io` prefers `v2` (another kind) while ClusterPolicy is `v1` only:
+    // the server must find it outside the preferred version.
     admin.run_with_stdin(&["apply", "-f", "-"], Some(CLUSTER_POLICY_CRD))?;
+    admin.run_with_stdin(&["apply", "-f", "-"], Some(V2_ONLY_KYVERNO_CRD))?;
     admin.run(&[
         "wait",
         "--for=condition=Established",
         "crd/clusterpolicies.kyverno.io",
+        "crd/cleanuppolicies.kyverno.io",
         "--timeout=60s",
     ])?;
+    let preferred = admin.run(&["get", "--raw", "/apis/kyverno.io"])?;
+    ensure!(
+        preferred.contains(r#""preferredVersion":{"groupVersion":"kyverno.io/v2""#),
+        "kyverno.io must prefer v2 for this test: {preferred}"
+    );
     let cpols = cluster_policy_api(&client);
     for policy in pss_cluster_policies() {
         cpols

@@ -15,7 +15,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject};
-use kube::discovery::Discovery;
+use kube::discovery::{ApiGroup, Discovery};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use serde_json::Value;
@@ -112,6 +112,22 @@ pub async fn next_change(
         _ = tokio::time::sleep(CHANGE_SETTLE) => {}
     }
     Some(policies.borrow_and_update().clone())
+}
+
+/// Where `kind` is served in its group: the group's preferred version if it has the kind, else
+/// the most stable version that does. Looking only at the preferred version misses Kyverno's
+/// own policies: from Kyverno 1.19 `kyverno.io` prefers `v2` (PolicyException, cleanup
+/// policies, …) while ClusterPolicy and Policy are served in `v1` only.
+fn served_kind(group: &ApiGroup, kind: &str) -> Option<ApiResource> {
+    group
+        .recommended_kind(kind)
+        .or_else(|| {
+            group
+                .resources_by_stability()
+                .into_iter()
+                .find(|(ar, _)| ar.kind == kind)
+        })
+        .map(|(ar, _)| ar)
 }
 
 impl PolicyWatcher {
@@ -231,8 +247,7 @@ impl PolicyWatcher {
                     for kind in POLICY_KINDS {
                         let served = discovery
                             .get(kind.group)
-                            .and_then(|g| g.recommended_kind(kind.kind))
-                            .map(|(ar, _)| ar);
+                            .and_then(|g| served_kind(g, kind.kind));
                         self.reconcile_kind(&client, kind, served, &cancel);
                     }
                     self.state().discovered = true;
