@@ -247,18 +247,8 @@ impl StoreBackend {
         *self.policies.write().unwrap_or_else(|e| e.into_inner()) = policies;
     }
 
-    /// Namespaces (`""` = cluster scope) that currently hold ephemeral reports.
-    pub async fn namespaces_with_ephemerals(&self) -> Result<Vec<String>, StoreError> {
-        self.namespaces(false).await
-    }
-
-    /// Namespaces (`""` = cluster scope) holding ephemeral reports or policy reports managed by
-    /// Kyverno: every namespace whose reports a change of the policy set can change.
-    pub async fn namespaces_with_inputs(&self) -> Result<Vec<String>, StoreError> {
-        self.namespaces(true).await
-    }
-
-    async fn namespaces(&self, with_managed_reports: bool) -> Result<Vec<String>, StoreError> {
+    /// The namespaces (`""` = cluster scope) a sweep enqueues (see [`Sweep`]).
+    async fn namespaces(&self, sweep: Sweep) -> Result<Vec<String>, StoreError> {
         let store = &self.store;
         let mut q = Sql::new(store.backend());
         q.push("SELECT DISTINCT o.namespace FROM objects o WHERE o.cluster_id = ")
@@ -268,7 +258,7 @@ impl StoreBackend {
                 Store::resource_key(&catalog::EPHEMERAL_REPORT),
                 Store::resource_key(&catalog::CLUSTER_EPHEMERAL_REPORT),
             ]);
-        if with_managed_reports {
+        if sweep == Sweep::Inputs {
             q.push(" OR (o.resource IN ")
                 .bind_list(&[
                     Store::resource_key(&catalog::POLICY_REPORT),
@@ -1019,21 +1009,19 @@ impl InProcessAggregator {
                 let aggregator = aggregator.clone();
                 let adopter = adopter.clone();
                 async move {
-                    if let Some(adopter) = adopter {
-                        let adoption = adopter
-                            .adopt_namespace(&namespace)
+                    match adopter {
+                        Some(adopter) => adopter
+                            .adopt_and_reconcile(&aggregator, &namespace)
                             .await
-                            .map_err(|e| e.to_string())?;
-                        if let Some(after) = adoption.retry_after {
-                            aggregator.queue().enqueue_after(namespace.as_str(), after);
-                        }
+                            .map_err(|e| e.to_string()),
+                        None => aggregator
+                            .reconcile(&namespace)
+                            .await
+                            .map(|outcome| {
+                                tracing::debug!(namespace, ?outcome, "namespace aggregated")
+                            })
+                            .map_err(|e| e.to_string()),
                     }
-                    let outcome = aggregator
-                        .reconcile(&namespace)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    tracing::debug!(namespace, ?outcome, "namespace aggregated");
-                    Ok::<(), String>(())
                 }
             }
         };
@@ -1103,7 +1091,7 @@ async fn enqueue_all(
 ) {
     let mut delay = Duration::from_millis(500);
     loop {
-        match backend.namespaces(sweep == Sweep::Inputs).await {
+        match backend.namespaces(sweep).await {
             Ok(namespaces) => {
                 tracing::debug!(count = namespaces.len(), ?sweep, "enqueued every namespace");
                 for ns in namespaces {

@@ -1067,17 +1067,31 @@ fn is_executable(path: &Path) -> bool {
 }
 
 async fn run_build_script() -> Result<PathBuf> {
-    let script = workspace_root().join("tests/controlplane/build.sh");
+    run_cache_build_script(
+        "tests/controlplane/build.sh",
+        &format!(
+            "the control plane (needs Go >= 1.26 and the Go module proxy; or set {BIN_ENV} to a \
+             directory with etcd, kube-apiserver and kube-controller-manager)"
+        ),
+    )
+    .await
+}
+
+/// Runs one of the repository's cached Go build scripts (`tests/controlplane/build.sh`,
+/// `tests/kyverno/build.sh`): forwards its progress (a cold build takes minutes), keeps the tail
+/// of its stderr for the error, and returns the directory its last stdout line names. `what`
+/// says what is built and what to do when the build cannot run.
+pub async fn run_cache_build_script(relative: &str, what: &str) -> Result<PathBuf> {
+    let script = workspace_root().join(relative);
     let mut child = tokio::process::Command::new("bash")
         .arg(&script)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .with_context(|| format!("running bash {}", script.display()))?;
+        .with_context(|| format!("running bash {} (needs bash)", script.display()))?;
     let stdout = child.stdout.take().expect("piped stdout");
     let stderr = child.stderr.take().expect("piped stderr");
-    // Forward the script's progress (a cold build takes minutes) and keep the tail for errors.
     let err_task = tokio::spawn(async move {
         let mut tail = VecDeque::new();
         let mut lines = BufReader::new(stderr).lines();
@@ -1098,19 +1112,15 @@ async fn run_build_script() -> Result<PathBuf> {
     let err_tail = err_task.await.unwrap_or_default();
     if !status.success() {
         bail!(
-            "building the control plane failed ({status}): bash {}\n--- last lines ---\n{err_tail}\n\
-             (needs Go >= 1.26 and the Go module proxy; or set {BIN_ENV} to a directory with \
-             etcd, kube-apiserver and kube-controller-manager)",
+            "building {what} failed ({status}): bash {}\n--- last lines ---\n{err_tail}",
             script.display()
         );
     }
-    let dir = out
-        .lines()
+    out.lines()
         .rev()
         .find(|l| !l.trim().is_empty())
         .map(|l| PathBuf::from(l.trim()))
-        .ok_or_else(|| anyhow!("{} printed no bin directory", script.display()))?;
-    Ok(dir)
+        .ok_or_else(|| anyhow!("{} printed no directory", script.display()))
 }
 
 // ---- PKI ---------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@
 //! the admission webhook is registered and answers.
 
 use std::{
-    collections::VecDeque,
     fs::{self, OpenOptions},
     io::Write as _,
     path::{Path, PathBuf},
@@ -22,11 +21,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use anyhow::{Context, Result, bail, ensure};
 
 use crate::{
-    controlplane::{ControlPlane, spawn_tied_to_test, workspace_root},
+    controlplane::{ControlPlane, run_cache_build_script, spawn_tied_to_test},
     kubectl::Kubectl,
     server::free_port,
 };
@@ -625,50 +623,15 @@ pub async fn kyverno_dir() -> Result<PathBuf> {
 }
 
 async fn run_build_script() -> Result<PathBuf> {
-    let script = workspace_root().join("tests/kyverno/build.sh");
     let t0 = Instant::now();
-    let mut child = tokio::process::Command::new("bash")
-        .arg(&script)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("running bash {} (needs bash)", script.display()))?;
-    let stdout = child.stdout.take().expect("piped stdout");
-    let stderr = child.stderr.take().expect("piped stderr");
-    // Forward the script's progress (a cold build takes 15-25 minutes) and keep the tail.
-    let err_task = tokio::spawn(async move {
-        let mut tail = VecDeque::new();
-        let mut lines = BufReader::new(stderr).lines();
-        while let Ok(Some(line)) = lines.next_line().await {
-            if !line.starts_with("go: downloading") && !line.starts_with("go: added") {
-                eprintln!("{line}");
-            }
-            if tail.len() == 30 {
-                tail.pop_front();
-            }
-            tail.push_back(line);
-        }
-        tail.into_iter().collect::<Vec<_>>().join("\n")
-    });
-    let mut out = String::new();
-    BufReader::new(stdout).read_to_string(&mut out).await?;
-    let status = child.wait().await?;
-    let err_tail = err_task.await.unwrap_or_default();
-    if !status.success() {
-        bail!(
-            "building Kyverno {KYVERNO_VERSION} failed ({status}): bash {}\n--- last lines ---\n\
-             {err_tail}\n(needs Go >= 1.26.6 and the Go module proxy; or set {DIR_ENV} to a \
-             directory with bin/ and crds/ as the script writes them)",
-            script.display()
-        );
-    }
-    let dir = out
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .map(|l| PathBuf::from(l.trim()))
-        .ok_or_else(|| anyhow!("{} printed no cache directory", script.display()))?;
+    let dir = run_cache_build_script(
+        "tests/kyverno/build.sh",
+        &format!(
+            "Kyverno {KYVERNO_VERSION} (needs Go >= 1.26.6 and the Go module proxy; or set \
+             {DIR_ENV} to a directory with bin/ and crds/ as the script writes them)"
+        ),
+    )
+    .await?;
     if t0.elapsed() > Duration::from_secs(5) {
         eprintln!("[kyverno] build script took {:.1?}", t0.elapsed());
     }

@@ -34,6 +34,7 @@ use crate::report::{
     ANNOTATION_RESOURCE_NAME, ANNOTATION_RESOURCE_NAMESPACE, LABEL_RESOURCE_GROUP,
     LABEL_RESOURCE_GVR, LABEL_RESOURCE_KIND, LABEL_RESOURCE_UID, LABEL_RESOURCE_VERSION,
 };
+use crate::{AggregationBackend, Aggregator};
 
 /// Kyverno's `deletionGrace`: how long an unadoptable report is kept.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(120);
@@ -443,6 +444,22 @@ impl<R: EphemeralReports> Adopter<R> {
             }
         }
         Ok(outcome)
+    }
+
+    /// One worker pass over `namespace`, as Kyverno's front queue does it: adopt (or delete) its
+    /// un-owned admission reports, schedule another pass for those still pending, then merge.
+    pub async fn adopt_and_reconcile<B: AggregationBackend>(
+        &self,
+        aggregator: &Aggregator<B>,
+        namespace: &str,
+    ) -> Result<(), ClusterError> {
+        let adoption = self.adopt_namespace(namespace).await?;
+        if let Some(after) = adoption.retry_after {
+            aggregator.queue().enqueue_after(namespace, after);
+        }
+        let outcome = aggregator.reconcile(namespace).await?;
+        tracing::debug!(namespace, ?adoption, ?outcome, "namespace aggregated");
+        Ok(())
     }
 
     async fn handle(&self, namespace: &str, meta: ObjectMeta) -> Done {

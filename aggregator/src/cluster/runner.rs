@@ -193,15 +193,7 @@ impl ClusterAggregator {
             move |namespace: String| {
                 let aggregator = aggregator.clone();
                 let adopter = adopter.clone();
-                async move {
-                    let adoption = adopter.adopt_namespace(&namespace).await?;
-                    if let Some(after) = adoption.retry_after {
-                        aggregator.queue().enqueue_after(namespace.as_str(), after);
-                    }
-                    let outcome = aggregator.reconcile(&namespace).await?;
-                    tracing::debug!(namespace, ?adoption, ?outcome, "namespace aggregated");
-                    Ok::<(), ClusterError>(())
-                }
+                async move { adopter.adopt_and_reconcile(&aggregator, &namespace).await }
             }
         };
         let workers = aggregator.queue().run(handler, term.clone());
