@@ -26,8 +26,8 @@ use reports_server_aggregator::{
     AggregatorConfig, CancellationToken, Layout, MergeOptions, Metrics, OfflineOptions,
     OutputFormat, QueueConfig, aggregate_offline,
 };
-use reports_server_apiserver::aggregation::{ClusterAccess, run_in_process};
-use reports_server_apiserver::standalone::RunningServer;
+use reports_server_apiserver::report_merge::{ClusterAccess, run_in_process};
+use reports_server_apiserver::startup::RunningServer;
 
 /// `--aggregation-layout` / `--layout` values.
 pub(crate) fn layout_parser() -> impl TypedValueParser<Value = Layout> {

@@ -26,8 +26,8 @@ use clap::Args;
 use futures::{StreamExt, TryStreamExt};
 use kube::api::{Api, ListParams, PostParams, WatchEvent, WatchParams};
 use reports_server_apiserver::http::ApiOptions;
-use reports_server_apiserver::http::objects::stamp_new;
-use reports_server_apiserver::standalone::{self, RunningServer, StandaloneConfig};
+use reports_server_apiserver::registry::stamp_new;
+use reports_server_apiserver::startup::{self, RunningServer, ServerConfig};
 use reports_server_apiserver::store::{Store, StoreOptions};
 use reports_server_crds::PolicyReport;
 use reports_server_crds::catalog::POLICY_REPORT;
@@ -92,7 +92,7 @@ pub(crate) async fn start_server(
         || format!("sqlite://{}?mode=rwc", dir.join("bench.db").display()),
         str::to_owned,
     );
-    let server = standalone::start(StandaloneConfig {
+    let server = startup::start(ServerConfig {
         data_dir: dir.to_owned(),
         bind: SocketAddr::from(([127, 0, 0, 1], 0)),
         store: StoreOptions::new(url),

@@ -24,7 +24,7 @@ use reports_server_aggregator::aggregator::DEFAULT_PAGE_SIZE;
 use reports_server_aggregator::metrics::{Operation, OperationLabels};
 use reports_server_aggregator::queue::DEFAULT_WORKERS;
 use reports_server_aggregator::{AggregatorConfig, Layout, MergeOptions, Metrics, QueueConfig};
-use reports_server_apiserver::aggregation::run_in_process;
+use reports_server_apiserver::report_merge::run_in_process;
 use reports_server_crds::fixtures::{PSS_RULES, Subject, pss_ephemeral_report};
 use reports_server_crds::{EphemeralReport, PolicyReport};
 use serde_json::Value;

@@ -15,7 +15,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use reports_server_apiserver::http::ApiOptions;
 use reports_server_apiserver::pki::CertPair;
-use reports_server_apiserver::standalone::{self, AuthMode, StandaloneConfig};
+use reports_server_apiserver::startup::{self, AuthMode, ServerConfig};
 use reports_server_apiserver::store::{Store, StoreOptions};
 
 #[derive(Parser)]
@@ -303,7 +303,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let delegated = matches!(auth, AuthMode::Delegated(_));
-    let config = StandaloneConfig {
+    let config = ServerConfig {
         data_dir,
         bind: SocketAddr::new(args.bind_address, args.secure_port),
         store,
@@ -316,7 +316,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         serving,
         serving_names: args.serving_cert_names.clone(),
     };
-    let server = standalone::start(config)
+    let server = startup::start(config)
         .await
         .context("cannot start the server")?;
     tracing::info!(address = %server.addr, backend = ?server.store.backend(), "serving");

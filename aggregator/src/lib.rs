@@ -19,6 +19,8 @@
 //! * `cluster` (feature `kube`): the backend over the Kubernetes API, with a Lease, policy
 //!   watches and adoption of admission reports.
 
+#![forbid(unsafe_code)]
+
 pub mod aggregator;
 pub mod backend;
 #[cfg(feature = "kube")]

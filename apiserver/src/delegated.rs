@@ -33,6 +33,7 @@ use rustls_pki_types::{CertificateDer, UnixTime};
 use crate::auth::{
     Attributes, AuthError, AuthRequest, Authenticator, Authorizer, UserInfo, subject_of,
 };
+use crate::registry::{Admission, RegistryError};
 
 const CONFIGMAP: &str = "extension-apiserver-authentication";
 const CACHE_TTL: Duration = Duration::from_secs(10);
@@ -497,12 +498,7 @@ impl Authorizer for SarAuthorizer {
     }
 }
 
-/// Refuses creates in namespaces that do not exist or are terminating (NamespaceLifecycle).
-#[async_trait::async_trait]
-pub trait Admission: Send + Sync + 'static {
-    async fn admit_create(&self, namespace: &str) -> Result<(), crate::http::status::ApiError>;
-}
-
+/// NamespaceLifecycle admission from a reflector of the cluster's namespaces.
 pub struct NamespaceLifecycle {
     client: kube::Client,
     namespaces: reflector::Store<Namespace>,
@@ -538,8 +534,7 @@ fn terminating(ns: &Namespace) -> bool {
 
 #[async_trait::async_trait]
 impl Admission for NamespaceLifecycle {
-    async fn admit_create(&self, namespace: &str) -> Result<(), crate::http::status::ApiError> {
-        use crate::http::status::ApiError;
+    async fn admit_create(&self, namespace: &str) -> Result<(), RegistryError> {
         let cached = self.namespaces.get(&reflector::ObjectRef::new(namespace));
         let ns = match cached {
             Some(ns) => Some((*ns).clone()),
@@ -548,16 +543,14 @@ impl Admission for NamespaceLifecycle {
                 .get_opt(namespace)
                 .await
                 .map_err(|e| {
-                    ApiError::unavailable(format!("cannot look up namespace {namespace}: {e}"))
+                    RegistryError::Unavailable(format!("cannot look up namespace {namespace}: {e}"))
                 })?,
         };
         match ns {
-            None => Err(ApiError::new(http::StatusCode::NOT_FOUND, "NotFound", format!("namespaces \"{namespace}\" not found"))
-                .with_details(serde_json::json!({"name": namespace, "kind": "namespaces"}))),
-            Some(ns) if terminating(&ns) => Err(ApiError::forbidden(format!(
-                "unable to create new content in namespace {namespace} because it is being terminated"
-            ))
-            .with_details(serde_json::json!({"causes": [{"reason": "NamespaceTerminating", "message": format!("namespace {namespace} is being terminated"), "field": "metadata.namespace"}]}))),
+            None => Err(RegistryError::NamespaceNotFound(namespace.to_owned())),
+            Some(ns) if terminating(&ns) => {
+                Err(RegistryError::NamespaceTerminating(namespace.to_owned()))
+            }
             Some(_) => Ok(()),
         }
     }

@@ -3,10 +3,18 @@
 //! * [`store`]: SeaORM store with a commit-ordered resourceVersion and a change log.
 //! * [`selector`], [`continuation`]: pure parsing of selectors and continue tokens.
 //! * [`fieldmanager`]: pure server-side apply and managedFields bookkeeping.
+//! * [`registry`]: Kubernetes object rules for the report kinds (create/update/patch/apply/
+//!   delete decisions, validation, managedFields) and typed errors, between HTTP and the store.
 //! * `http`: the axum router that speaks the Kubernetes API for the report kinds.
-//! * `tls`, `server`: certificates and the HTTPS accept loop.
+//! * [`report_merge`]: the in-process Kyverno report merger (an aggregator backend over the
+//!   store, writing through the registry).
+//! * [`startup`]: starting the server in standalone or delegated mode; `pki`, `server`:
+//!   certificates and the HTTPS accept loop.
+//!
+//! `docs/architecture.md` has the picture and the path of a request and of a watch event.
 
-pub mod aggregation;
+#![forbid(unsafe_code)]
+
 pub mod auth;
 pub mod continuation;
 pub mod delegated;
@@ -14,7 +22,9 @@ pub mod fieldmanager;
 pub mod http;
 pub mod metrics;
 pub mod pki;
+pub mod registry;
+pub mod report_merge;
 pub mod selector;
 pub mod server;
-pub mod standalone;
+pub mod startup;
 pub mod store;

@@ -9,6 +9,8 @@
 //!
 //! This crate does no I/O.
 
+#![forbid(unsafe_code)]
+
 pub mod catalog;
 pub mod crd;
 pub mod fixtures;

@@ -23,7 +23,7 @@ use kube::api::{
     Preconditions, PropagationPolicy, WatchEvent, WatchParams,
 };
 use kube::runtime::watcher;
-use reports_server_apiserver::http::objects::stamp_new;
+use reports_server_apiserver::registry::stamp_new;
 use reports_server_crds::ResourceDescriptor;
 use reports_server_crds::catalog;
 use reports_server_tests::Backend;

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-use reports_server_apiserver::http::objects::stamp_new;
+use reports_server_apiserver::registry::stamp_new;
 use reports_server_apiserver::store::feed::read_changes;
 use reports_server_apiserver::store::write_target::Target;
 use reports_server_apiserver::store::{EventType, Mutation, Store, StoreError, StoreOptions};

@@ -1,10 +1,23 @@
 //! The axum router that speaks the Kubernetes API for the report kinds.
+//!
+//! A request passes these layers, outermost first:
+//!
+//! 1. `trace_request`: a span per request (method, path, request id; verb, resource,
+//!    namespace, name and user once known) and one log line for every 5xx with its cause;
+//! 2. `authenticate`: the user, or 401;
+//! 3. `authorize_non_resource` / `authorize_resource`: for resource paths the request is
+//!    resolved once into a [`RequestInfo`] (404/400/405 while resolving), then authorized (403);
+//! 4. `observe_request` (resource and group discovery paths): request metrics by verb and
+//!    resource;
+//! 5. the handler, which takes the already-resolved, already-authorized request.
+//!
+//! Object semantics live in [`crate::registry`]; rendering in [`render`]; `v1 Status` errors
+//! in [`status`].
 
 pub mod discovery;
-pub mod fields;
 pub mod negotiate;
-pub mod objects;
 pub mod openapi;
+pub mod render;
 pub mod request;
 pub mod resources;
 pub mod status;
@@ -17,18 +30,20 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Query, Request, State};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{any, get};
 use serde_json::Value;
+use tracing::Instrument;
 
 use self::negotiate::{Representation, Target};
-use self::request::{Params, parse_path};
+use self::request::{Params, RequestInfo, Verb};
 use self::status::ApiError;
 use crate::auth::{Attributes, AuthRequest, Authenticator, Authorizer, PeerCertificates, UserInfo};
 use crate::metrics::Metrics;
+use crate::registry::Registry;
 use crate::store::Store;
 
 /// Tunables of the HTTP layer.
@@ -52,18 +67,19 @@ impl Default for ApiOptions {
 /// Everything handlers need.
 #[derive(Clone)]
 pub struct AppState {
+    /// The object rules over the store (with admission when behind kube-apiserver).
+    pub registry: Registry,
+    /// Read directly by watches (the change feed) and `/readyz`.
     pub store: Store,
     pub authenticator: Arc<dyn Authenticator>,
     pub authorizer: Arc<dyn Authorizer>,
-    /// Admission checks on creates (NamespaceLifecycle when behind kube-apiserver).
-    pub admission: Option<Arc<dyn crate::delegated::Admission>>,
     pub metrics: Arc<Metrics>,
     pub options: ApiOptions,
 }
 
 /// Builds the router.
 pub fn router(state: AppState) -> Router {
-    let authenticated = Router::new()
+    let non_resource = Router::new()
         .route("/version", get(version))
         .route("/version/", get(version))
         .route("/api", get(core_api))
@@ -75,7 +91,48 @@ pub fn router(state: AppState) -> Router {
         .route("/openapi/v3", get(openapi_index))
         .route("/openapi/v3/", get(openapi_index))
         .route("/openapi/v3/{*path}", get(openapi_document))
-        .route("/apis/{*rest}", axum::routing::any(resource))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            authorize_non_resource,
+        ));
+    // One static route per served group and group-version: static segments take precedence
+    // over the resource catch-all, which a path parameter could not share a level with.
+    let mut group_discovery = Router::new();
+    for (group, version) in reports_server_crds::catalog::GROUP_VERSIONS {
+        let group_doc = move |headers: HeaderMap| async move {
+            discovery_response(&headers, discovery::api_group(group))
+        };
+        let version_doc = move |headers: HeaderMap| async move {
+            discovery_response(&headers, discovery::api_resource_list(group, version))
+        };
+        group_discovery = group_discovery
+            .route(&format!("/apis/{group}"), any(group_doc))
+            .route(&format!("/apis/{group}/"), any(group_doc))
+            .route(&format!("/apis/{group}/{version}"), any(version_doc))
+            .route(&format!("/apis/{group}/{version}/"), any(version_doc));
+    }
+    let group_discovery = group_discovery
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            authorize_discovery,
+        ))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            observe_request,
+        ));
+    let resources = Router::new()
+        .route("/apis/{*rest}", any(resource))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            authorize_resource,
+        ))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            observe_request,
+        ));
+    let authenticated = non_resource
+        .merge(group_discovery)
+        .merge(resources)
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
@@ -83,6 +140,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(livez))
         .route("/readyz", get(readyz))
         .merge(authenticated)
+        .layer(middleware::from_fn(trace_request))
         .with_state(state)
 }
 
@@ -110,6 +168,44 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
+/// The cause of an error response, kept for the one log line of a 5xx.
+#[derive(Clone, Debug)]
+pub struct ErrorCause(pub String);
+
+/// One span per request; every 5xx logged once, with its cause, inside it.
+async fn trace_request(request: Request, next: Next) -> Response {
+    let request_id = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    let span = tracing::info_span!(
+        "request",
+        method = %request.method(),
+        path = %request.uri().path(),
+        request_id = %request_id,
+        user = tracing::field::Empty,
+        verb = tracing::field::Empty,
+        resource = tracing::field::Empty,
+        namespace = tracing::field::Empty,
+        name = tracing::field::Empty,
+    );
+    async move {
+        let response = next.run(request).await;
+        if response.status().is_server_error() {
+            let cause = response
+                .extensions()
+                .get::<ErrorCause>()
+                .map_or("", |c| c.0.as_str());
+            tracing::error!(status = response.status().as_u16(), cause, "request failed");
+        }
+        response
+    }
+    .instrument(span)
+    .await
+}
+
 /// Authenticates every request that reaches the API; unauthenticated callers get 401.
 async fn authenticate(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
     let peer = request
@@ -126,6 +222,7 @@ async fn authenticate(State(state): State<AppState>, mut request: Request, next:
         .await;
     match user {
         Ok(Some(user)) => {
+            tracing::Span::current().record("user", user.name.as_str());
             request.extensions_mut().insert(user);
             next.run(request).await
         }
@@ -134,6 +231,14 @@ async fn authenticate(State(state): State<AppState>, mut request: Request, next:
             ApiError::unavailable(format!("cannot authenticate the request: {e}")).into_response()
         }
     }
+}
+
+fn user_of(request: &Request) -> UserInfo {
+    request
+        .extensions()
+        .get::<UserInfo>()
+        .cloned()
+        .unwrap_or_default()
 }
 
 async fn authorize(
@@ -182,51 +287,125 @@ fn non_resource(path: &str) -> Attributes {
     }
 }
 
-async fn version(State(state): State<AppState>, request: Request) -> Response {
-    let user = request
-        .extensions()
-        .get::<UserInfo>()
-        .cloned()
-        .unwrap_or_default();
-    if let Err(e) = authorize(&state, &user, &non_resource("/version")).await {
-        return e.into_response();
+/// Authorizes `get` on the request's path (discovery, version, OpenAPI, metrics).
+async fn authorize_non_resource(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let attributes = non_resource(request.uri().path());
+    match authorize(&state, &user_of(&request), &attributes).await {
+        Ok(()) => next.run(request).await,
+        Err(e) => e.into_response(),
     }
+}
+
+/// Group discovery (`/apis/{group}[/{version}]`) is a `get` on its path; other methods find
+/// no resource there (404, as before any authorization).
+async fn authorize_discovery(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if request.method() != Method::GET {
+        return ApiError::path_not_found().into_response();
+    }
+    authorize_non_resource(State(state), request, next).await
+}
+
+/// A resolved and authorized resource request: what resource handlers take.
+#[derive(Clone, Debug)]
+pub struct ResourceRequest {
+    pub info: RequestInfo,
+    pub params: Params,
+    /// `force` of a patch (server-side apply), as sent.
+    pub force: Option<String>,
+}
+
+/// Resolves a resource request into a [`RequestInfo`] and authorizes it. The info also goes
+/// into the response's extensions, for request metrics.
+async fn authorize_resource(
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let rest = request.uri().path().trim_start_matches("/apis/").to_owned();
+    let resolved = Params::parse(&query).and_then(|params| {
+        Ok((
+            RequestInfo::resolve(request.method(), &rest, &params)?,
+            params,
+        ))
+    });
+    let (info, params) = match resolved {
+        Ok(resolved) => resolved,
+        Err(e) => return e.into_response(),
+    };
+    let span = tracing::Span::current();
+    span.record("verb", info.verb.as_str());
+    span.record("resource", info.resource.resource.plural);
+    if let Some(ns) = &info.resource.namespace {
+        span.record("namespace", ns.as_str());
+    }
+    if let Some(name) = &info.name {
+        span.record("name", name.as_str());
+    }
+    let mut response = match authorize(&state, &user_of(&request), &info.attributes()).await {
+        Ok(()) => {
+            request.extensions_mut().insert(ResourceRequest {
+                info: info.clone(),
+                params,
+                force: query.get("force").cloned(),
+            });
+            next.run(request).await
+        }
+        Err(e) => e.into_response(),
+    };
+    response.extensions_mut().insert(info);
+    response
+}
+
+/// Request count and latency by verb and resource (`unknown`/empty when the request did not
+/// resolve).
+async fn observe_request(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let response = next.run(request).await;
+    let (verb, resource) = response
+        .extensions()
+        .get::<RequestInfo>()
+        .map_or(("unknown", ""), |info| {
+            (info.verb.as_str(), info.resource.resource.plural)
+        });
+    state.metrics.observe(
+        verb,
+        resource,
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    response
+}
+
+async fn version() -> Response {
     axum::Json(discovery::version()).into_response()
 }
 
-async fn core_api(State(state): State<AppState>, headers: HeaderMap, request: Request) -> Response {
-    let user = request
-        .extensions()
-        .get::<UserInfo>()
-        .cloned()
-        .unwrap_or_default();
-    if let Err(e) = authorize(&state, &user, &non_resource("/api")).await {
-        return e.into_response();
-    }
-    match resources::accept(&headers, Target::Discovery) {
+async fn core_api(headers: HeaderMap) -> Response {
+    match render::accept(&headers, Target::Discovery) {
         Ok(n) if matches!(n.representation, Representation::Discovery(_)) => {
             let v = match n.representation {
                 Representation::Discovery(v) => v,
                 _ => "v2",
             };
             let doc = serde_json::json!({"kind": "APIGroupDiscoveryList", "apiVersion": format!("apidiscovery.k8s.io/{v}"), "metadata": {}, "items": []});
-            resources::encode(StatusCode::OK, n, false, &doc)
+            render::encode(StatusCode::OK, n, false, &doc)
         }
-        Ok(n) => resources::encode(StatusCode::OK, n, false, &discovery::core_versions()),
+        Ok(n) => render::encode(StatusCode::OK, n, false, &discovery::core_versions()),
         Err(e) => e.into_response(),
     }
 }
 
-async fn apis(State(state): State<AppState>, headers: HeaderMap, request: Request) -> Response {
-    let user = request
-        .extensions()
-        .get::<UserInfo>()
-        .cloned()
-        .unwrap_or_default();
-    if let Err(e) = authorize(&state, &user, &non_resource("/apis")).await {
-        return e.into_response();
-    }
-    let n = match resources::accept(&headers, Target::Discovery) {
+async fn apis(headers: HeaderMap) -> Response {
+    let n = match render::accept(&headers, Target::Discovery) {
         Ok(n) => n,
         Err(e) => return e.into_response(),
     };
@@ -240,7 +419,7 @@ async fn apis(State(state): State<AppState>, headers: HeaderMap, request: Reques
             {
                 StatusCode::NOT_MODIFIED.into_response()
             } else {
-                resources::encode(StatusCode::OK, n, false, &doc)
+                render::encode(StatusCode::OK, n, false, &doc)
             };
             response.headers_mut().insert(
                 header::ETAG,
@@ -248,19 +427,11 @@ async fn apis(State(state): State<AppState>, headers: HeaderMap, request: Reques
             );
             response
         }
-        _ => resources::encode(StatusCode::OK, n, false, &discovery::api_group_list()),
+        _ => render::encode(StatusCode::OK, n, false, &discovery::api_group_list()),
     }
 }
 
-async fn metrics(State(state): State<AppState>, request: Request) -> Response {
-    let user = request
-        .extensions()
-        .get::<UserInfo>()
-        .cloned()
-        .unwrap_or_default();
-    if let Err(e) = authorize(&state, &user, &non_resource("/metrics")).await {
-        return e.into_response();
-    }
+async fn metrics(State(state): State<AppState>) -> Response {
     let mut response = state.metrics.encode().into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -269,27 +440,11 @@ async fn metrics(State(state): State<AppState>, request: Request) -> Response {
     response
 }
 
-async fn openapi_index(State(state): State<AppState>, request: Request) -> Response {
-    let user = request
-        .extensions()
-        .get::<UserInfo>()
-        .cloned()
-        .unwrap_or_default();
-    if let Err(e) = authorize(&state, &user, &non_resource("/openapi/v3")).await {
-        return e.into_response();
-    }
+async fn openapi_index() -> Response {
     axum::Json(openapi::index()).into_response()
 }
 
-async fn openapi_v2(State(state): State<AppState>, request: Request) -> Response {
-    let user = request
-        .extensions()
-        .get::<UserInfo>()
-        .cloned()
-        .unwrap_or_default();
-    if let Err(e) = authorize(&state, &user, &non_resource("/openapi/v2")).await {
-        return e.into_response();
-    }
+async fn openapi_v2(request: Request) -> Response {
     let accept = request
         .headers()
         .get(header::ACCEPT)
@@ -327,19 +482,7 @@ async fn openapi_v2(State(state): State<AppState>, request: Request) -> Response
     response
 }
 
-async fn openapi_document(
-    State(state): State<AppState>,
-    axum::extract::Path(path): axum::extract::Path<String>,
-    request: Request,
-) -> Response {
-    let user = request
-        .extensions()
-        .get::<UserInfo>()
-        .cloned()
-        .unwrap_or_default();
-    if let Err(e) = authorize(&state, &user, &non_resource(request.uri().path())).await {
-        return e.into_response();
-    }
+async fn openapi_document(Path(path): Path<String>, request: Request) -> Response {
     match openapi::document(&path) {
         Some((doc, hash)) => {
             let mut response = doc.to_owned().into_response();
@@ -365,125 +508,78 @@ async fn openapi_document(
     }
 }
 
-/// The Kubernetes verb of a resource request.
-fn verb(method: &Method, has_name: bool, watch: bool) -> Option<&'static str> {
-    Some(match (method.as_str(), has_name) {
-        ("GET", true) if watch => "watch",
-        ("GET", true) => "get",
-        ("GET", false) if watch => "watch",
-        ("GET", false) => "list",
-        ("POST", false) => "create",
-        ("PUT", true) => "update",
-        ("PATCH", true) => "patch",
-        ("DELETE", true) => "delete",
-        ("DELETE", false) => "deletecollection",
-        _ => return None,
-    })
+/// A group discovery document (`APIGroup`, `APIResourceList`) in the negotiated encoding.
+fn discovery_response(headers: &HeaderMap, doc: Option<Value>) -> Response {
+    let result = render::accept(headers, Target::Discovery).and_then(|n| {
+        doc.map(|d| {
+            render::encode(
+                StatusCode::OK,
+                negotiate::Negotiated {
+                    representation: Representation::Object,
+                    ..n
+                },
+                false,
+                &d,
+            )
+        })
+        .ok_or_else(ApiError::path_not_found)
+    });
+    result.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// Every resource verb, on a request [`authorize_resource`] resolved and authorized.
 async fn resource(
     State(state): State<AppState>,
-    Query(query): Query<HashMap<String, String>>,
-    request: Request,
+    axum::Extension(request): axum::Extension<ResourceRequest>,
+    headers: HeaderMap,
+    body: Body,
 ) -> Response {
-    let started = Instant::now();
-    let (parts, body) = request.into_parts();
-    let rest = parts.uri.path().trim_start_matches("/apis/").to_owned();
-    let user = parts
-        .extensions
-        .get::<UserInfo>()
-        .cloned()
-        .unwrap_or_default();
-    let mut verb_label = "unknown";
-    let mut resource_label = String::new();
+    let ResourceRequest {
+        info,
+        mut params,
+        force,
+    } = request;
     let result: Result<Response, ApiError> = async {
-        // `/apis/{group}` and `/apis/{group}/{version}` are discovery documents.
-        let segments: Vec<&str> = rest.trim_end_matches('/').split('/').collect();
-        if parts.method == Method::GET && segments.len() <= 2 {
-            authorize(&state, &user, &non_resource(parts.uri.path())).await?;
-            let doc = match segments.as_slice() {
-                [g] => discovery::api_group(g),
-                [g, v] => discovery::api_resource_list(g, v),
-                _ => None,
-            };
-            let n = resources::accept(&parts.headers, Target::Discovery)?;
-            return doc
-                .map(|d| {
-                    resources::encode(
-                        StatusCode::OK,
-                        negotiate::Negotiated {
-                            representation: Representation::Object,
-                            ..n
-                        },
-                        false,
-                        &d,
-                    )
-                })
-                .ok_or_else(ApiError::path_not_found);
-        }
-        let path = parse_path(&rest)?;
-        let params = Params::parse(&query)?;
-        let v = verb(&parts.method, path.name.is_some(), params.watch).ok_or_else(|| {
-            ApiError::method_not_allowed(format!(
-                "the server does not allow this method on the requested resource ({})",
-                parts.method
-            ))
-        })?;
-        verb_label = v;
-        resource_label = path.resource.plural.to_owned();
-        authorize(
-            &state,
-            &user,
-            &Attributes {
-                verb: v.into(),
-                group: path.resource.group.into(),
-                version: path.resource.version.into(),
-                resource: path.resource.plural.into(),
-                namespace: path.namespace.clone(),
-                name: path.name.clone(),
-                path: None,
-            },
-        )
-        .await?;
-        let body = match v {
-            "create" | "update" | "patch" | "delete" | "deletecollection" => {
-                read_body(body, state.options.max_request_bytes).await?
-            }
-            _ => bytes::Bytes::new(),
+        let body = if info.verb.has_body() {
+            read_body(body, state.options.max_request_bytes).await?
+        } else {
+            bytes::Bytes::new()
         };
-        match v {
-            "get" => resources::get(&state, &path, &params, &parts.headers).await,
-            "list" => resources::list(&state, &path, &params, &parts.headers).await,
-            "watch" => {
-                let mut params = params;
-                if let Some(name) = &path.name {
+        let r = &info.resource;
+        match (info.verb, info.name.as_deref()) {
+            (Verb::Get, Some(name)) => resources::get(&state, r, name, &params, &headers).await,
+            (Verb::List, None) => resources::list(&state, r, &params, &headers).await,
+            (Verb::Watch, name) => {
+                if let Some(name) = name {
                     // A watch on a single object is a field-selected watch.
                     let selector = format!("metadata.name={name}");
                     params.fields = crate::selector::FieldSelector::parse(&selector)
                         .map_err(|e| ApiError::bad_request(e.to_string()))?;
                 }
-                let path = request::ResourcePath { name: None, ..path };
-                watch::watch(&state, &path, &params, &parts.headers).await
+                watch::watch(&state, r, &params, &headers).await
             }
-            "create" => resources::create(&state, &path, &params, &parts.headers, body).await,
-            "update" => resources::update(&state, &path, &params, &parts.headers, body).await,
-            "patch" => {
-                let force = query.get("force").map(String::as_str);
-                resources::patch(&state, &path, &params, force, &parts.headers, body).await
+            (Verb::Create, None) => resources::create(&state, r, &params, &headers, body).await,
+            (Verb::Update, Some(name)) => {
+                resources::update(&state, r, name, &params, &headers, body).await
             }
-            "delete" => resources::delete(&state, &path, &params, &parts.headers, body).await,
-            _ => resources::delete_collection(&state, &path, &params, &parts.headers, body).await,
+            (Verb::Patch, Some(name)) => {
+                resources::patch(&state, r, name, &params, force.as_deref(), &headers, body).await
+            }
+            (Verb::Delete, Some(name)) => {
+                resources::delete(&state, r, name, &params, &headers, body).await
+            }
+            (Verb::DeleteCollection, None) => {
+                resources::delete_collection(&state, r, &params, &headers, body).await
+            }
+            // RequestInfo::resolve pairs each verb with its kind of path.
+            (verb, _) => Err(ApiError::method_not_allowed(format!(
+                "{} is not allowed on this path",
+                verb.as_str()
+            ))),
         }
     }
     .await;
-    let response = result.unwrap_or_else(IntoResponse::into_response);
-    state.metrics.observe(
-        verb_label,
-        &resource_label,
-        response.status().as_u16(),
-        started.elapsed().as_secs_f64(),
-    );
-    response
+    result.unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {

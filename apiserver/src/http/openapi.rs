@@ -379,7 +379,7 @@ mod tests {
         let doc: Value = serde_json::from_str(text).expect("valid JSON");
         assert_eq!(doc["swagger"], "2.0");
         let defs = doc["definitions"].as_object().unwrap();
-        for d in &reports_server_crds::catalog::ALL {
+        for d in &catalog::ALL {
             for kind in [d.kind, d.list_kind] {
                 let def = &defs[&schema_name(d, kind)];
                 assert_eq!(

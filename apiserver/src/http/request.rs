@@ -2,30 +2,117 @@
 
 use std::collections::HashMap;
 
-use reports_server_crds::{ResourceDescriptor, catalog};
+use axum::http::Method;
+use reports_server_crds::catalog;
 use serde_json::Value;
 
 use super::status::ApiError;
+use crate::auth::Attributes;
+use crate::registry::{ListOptions, ResourceRef, is_dns_label};
 use crate::selector::{FieldSelector, LabelSelector};
 
-/// `/apis/{group}/{version}[/namespaces/{ns}]/{plural}[/{name}]`, resolved.
-#[derive(Clone, Debug)]
-pub struct ResourcePath {
-    pub resource: &'static ResourceDescriptor,
-    /// `Some` for namespaced requests; `None` for cluster-scoped kinds or all namespaces.
-    pub namespace: Option<String>,
-    pub name: Option<String>,
+/// The Kubernetes verb of a resource request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verb {
+    Get,
+    List,
+    Watch,
+    Create,
+    Update,
+    Patch,
+    Delete,
+    DeleteCollection,
 }
 
-impl ResourcePath {
-    /// The namespace column value of the addressed object (`""` for cluster scope).
-    pub fn object_namespace(&self) -> &str {
-        self.namespace.as_deref().unwrap_or("")
+impl Verb {
+    /// The verb from the method, whether the path names an object, and `?watch`.
+    fn resolve(method: &Method, has_name: bool, watch: bool) -> Option<Verb> {
+        Some(match (method.as_str(), has_name) {
+            ("GET", _) if watch => Verb::Watch,
+            ("GET", true) => Verb::Get,
+            ("GET", false) => Verb::List,
+            ("POST", false) => Verb::Create,
+            ("PUT", true) => Verb::Update,
+            ("PATCH", true) => Verb::Patch,
+            ("DELETE", true) => Verb::Delete,
+            ("DELETE", false) => Verb::DeleteCollection,
+            _ => return None,
+        })
+    }
+
+    /// The verb as authorization and metrics spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verb::Get => "get",
+            Verb::List => "list",
+            Verb::Watch => "watch",
+            Verb::Create => "create",
+            Verb::Update => "update",
+            Verb::Patch => "patch",
+            Verb::Delete => "delete",
+            Verb::DeleteCollection => "deletecollection",
+        }
+    }
+
+    /// Whether the request carries a body to read.
+    pub fn has_body(self) -> bool {
+        matches!(
+            self,
+            Verb::Create | Verb::Update | Verb::Patch | Verb::Delete | Verb::DeleteCollection
+        )
     }
 }
 
-/// Parses the part of the path after `/apis/`.
-pub fn parse_path(rest: &str) -> Result<ResourcePath, ApiError> {
+/// A resource request resolved once, as kube-apiserver's `RequestInfoResolver` does:
+/// `/apis/{group}/{version}[/namespaces/{ns}]/{plural}[/{name}[/{subresource}]]` plus the
+/// method and `?watch`. Authorization, metrics, the request span and the handlers all read it.
+#[derive(Clone, Debug)]
+pub struct RequestInfo {
+    pub verb: Verb,
+    pub resource: ResourceRef,
+    pub name: Option<String>,
+    /// No served kind has subresources; a request for one is answered 404 while resolving.
+    pub subresource: Option<String>,
+}
+
+impl RequestInfo {
+    /// Resolves the part of the path after `/apis/`, the method and the parsed parameters.
+    pub fn resolve(method: &Method, rest: &str, params: &Params) -> Result<Self, ApiError> {
+        let (resource, name, subresource) = parse_path(rest)?;
+        if subresource.is_some() {
+            return Err(ApiError::path_not_found());
+        }
+        let verb = Verb::resolve(method, name.is_some(), params.watch).ok_or_else(|| {
+            ApiError::method_not_allowed(format!(
+                "the server does not allow this method on the requested resource ({method})"
+            ))
+        })?;
+        Ok(RequestInfo {
+            verb,
+            resource,
+            name,
+            subresource,
+        })
+    }
+
+    /// What the authorizer is asked.
+    pub fn attributes(&self) -> Attributes {
+        let desc = self.resource.resource;
+        Attributes {
+            verb: self.verb.as_str().into(),
+            group: desc.group.into(),
+            version: desc.version.into(),
+            resource: desc.plural.into(),
+            namespace: self.resource.namespace.clone(),
+            name: self.name.clone(),
+            path: None,
+        }
+    }
+}
+
+/// Splits the part of the path after `/apis/` into the collection, the object name and the
+/// subresource; unknown kinds, wrong scopes and invalid namespaces are 404s.
+fn parse_path(rest: &str) -> Result<(ResourceRef, Option<String>, Option<String>), ApiError> {
     let segments: Vec<&str> = rest.trim_matches('/').split('/').collect();
     let (group, version, tail) = match segments.as_slice() {
         [g, v, tail @ ..] if !tail.is_empty() => (*g, *v, tail),
@@ -35,9 +122,10 @@ pub fn parse_path(rest: &str) -> Result<ResourcePath, ApiError> {
         ["namespaces", ns, tail @ ..] if !tail.is_empty() => (Some((*ns).to_owned()), tail),
         _ => (None, tail),
     };
-    let (plural, name) = match tail {
-        [plural] => (*plural, None),
-        [plural, name] => (*plural, Some((*name).to_owned())),
+    let (plural, name, subresource) = match tail {
+        [plural] => (*plural, None, None),
+        [plural, name] => (*plural, Some((*name).to_owned()), None),
+        [plural, name, sub] => (*plural, Some((*name).to_owned()), Some((*sub).to_owned())),
         _ => return Err(ApiError::path_not_found()),
     };
     let resource = catalog::find(group, version, plural).ok_or_else(ApiError::path_not_found)?;
@@ -52,35 +140,14 @@ pub fn parse_path(rest: &str) -> Result<ResourcePath, ApiError> {
     {
         return Err(ApiError::path_not_found());
     }
-    Ok(ResourcePath {
-        resource,
-        namespace,
+    Ok((
+        ResourceRef {
+            resource,
+            namespace,
+        },
         name,
-    })
-}
-
-/// RFC 1123 label: namespaces.
-pub fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-/// RFC 1123 subdomain: object names of these kinds.
-pub fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|part| {
-            !part.is_empty()
-                && part
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !part.starts_with('-')
-                && !part.ends_with('-')
-        })
+        subresource,
+    ))
 }
 
 /// Query parameters of resource requests, validated.
@@ -115,6 +182,18 @@ fn boolean(name: &str, v: &str) -> Result<bool, ApiError> {
 }
 
 impl Params {
+    /// The list part of the parameters (also the selection of a deletecollection).
+    pub fn list_options(&self) -> ListOptions {
+        ListOptions {
+            labels: self.labels.clone(),
+            fields: self.fields.clone(),
+            limit: self.limit,
+            continue_token: self.continue_token.clone(),
+            resource_version: self.resource_version.clone(),
+            resource_version_match: self.resource_version_match.clone(),
+        }
+    }
+
     pub fn parse(query: &HashMap<String, String>) -> Result<Self, ApiError> {
         let mut p = Params::default();
         for (k, v) in query {
@@ -208,19 +287,19 @@ mod tests {
 
     #[test]
     fn paths() {
-        let p = parse_path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x").unwrap();
+        let (r, name, _) =
+            parse_path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x").unwrap();
         assert_eq!(
-            (p.resource.kind, p.namespace.as_deref(), p.name.as_deref()),
+            (r.resource.kind, r.namespace.as_deref(), name.as_deref()),
             ("PolicyReport", Some("ns"), Some("x"))
         );
-        let p = parse_path("wgpolicyk8s.io/v1alpha2/policyreports").unwrap();
-        assert!(p.namespace.is_none() && p.name.is_none());
-        let p = parse_path("wgpolicyk8s.io/v1alpha2/clusterpolicyreports/x").unwrap();
-        assert_eq!(p.name.as_deref(), Some("x"));
+        let (r, name, _) = parse_path("wgpolicyk8s.io/v1alpha2/policyreports").unwrap();
+        assert!(r.namespace.is_none() && name.is_none());
+        let (_, name, _) = parse_path("wgpolicyk8s.io/v1alpha2/clusterpolicyreports/x").unwrap();
+        assert_eq!(name.as_deref(), Some("x"));
         for bad in [
             "wgpolicyk8s.io/v1alpha2/namespaces/ns/clusterpolicyreports",
             "wgpolicyk8s.io/v1alpha2/policyreports/x",
-            "wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x/status",
             "wgpolicyk8s.io/v1/policyreports",
             "wgpolicyk8s.io/v1alpha2/pods",
             "wgpolicyk8s.io/v1alpha2",
@@ -230,12 +309,52 @@ mod tests {
     }
 
     #[test]
-    fn names() {
-        assert!(is_dns_subdomain("6c737f35-260c-4e4f-8516-61a125c9fb78"));
-        assert!(is_dns_subdomain("cpol-disallow-host-path-1"));
-        assert!(!is_dns_subdomain("Upper"));
-        assert!(!is_dns_subdomain("a..b"));
-        assert!(!is_dns_label("a.b"));
+    fn request_info() {
+        let params = Params::default();
+        let resolve = |m: Method, rest: &str| RequestInfo::resolve(&m, rest, &params);
+        let collection = "wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports";
+        let object = "wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x";
+        assert_eq!(resolve(Method::GET, collection).unwrap().verb, Verb::List);
+        assert_eq!(resolve(Method::GET, object).unwrap().verb, Verb::Get);
+        assert_eq!(
+            resolve(Method::POST, collection).unwrap().verb,
+            Verb::Create
+        );
+        assert_eq!(
+            resolve(Method::DELETE, collection).unwrap().verb,
+            Verb::DeleteCollection
+        );
+        assert_eq!(
+            resolve(Method::PUT, collection).unwrap_err().code.as_u16(),
+            405
+        );
+        assert_eq!(
+            resolve(Method::POST, object).unwrap_err().code.as_u16(),
+            405
+        );
+        // Subresources resolve, and none is served.
+        assert_eq!(
+            resolve(Method::GET, &format!("{object}/status"))
+                .unwrap_err()
+                .code
+                .as_u16(),
+            404
+        );
+        let watch = Params {
+            watch: true,
+            ..Default::default()
+        };
+        let info = RequestInfo::resolve(&Method::GET, object, &watch).unwrap();
+        assert_eq!(info.verb, Verb::Watch);
+        let attributes = info.attributes();
+        assert_eq!(
+            (
+                attributes.verb.as_str(),
+                attributes.resource.as_str(),
+                attributes.name.as_deref()
+            ),
+            ("watch", "policyreports", Some("x"))
+        );
     }
 
     #[test]

@@ -5,6 +5,8 @@ use axum::response::{IntoResponse, Response};
 use reports_server_crds::ResourceDescriptor;
 use serde_json::{Value, json};
 
+use crate::fieldmanager::FieldManagerError;
+use crate::registry::{Cause, RegistryError};
 use crate::store::StoreError;
 
 /// An API error: HTTP code, Kubernetes reason, message and details.
@@ -34,7 +36,7 @@ impl ApiError {
         self
     }
 
-    fn object_details(desc: &ResourceDescriptor, name: &str) -> Value {
+    pub(crate) fn object_details(desc: &ResourceDescriptor, name: &str) -> Value {
         json!({"name": name, "group": desc.group, "kind": desc.plural})
     }
 
@@ -66,49 +68,6 @@ impl ApiError {
             format!("{}.{} \"{name}\" already exists", desc.plural, desc.group),
         )
         .with_details(Self::object_details(desc, name))
-    }
-
-    pub fn conflict(desc: &ResourceDescriptor, name: &str, why: &str) -> Self {
-        Self::new(
-            StatusCode::CONFLICT,
-            "Conflict",
-            format!(
-                "Operation cannot be fulfilled on {}.{} \"{name}\": {why}",
-                desc.plural, desc.group
-            ),
-        )
-        .with_details(Self::object_details(desc, name))
-    }
-
-    /// 422 with one cause per invalid field.
-    pub fn invalid(
-        desc: &ResourceDescriptor,
-        name: &str,
-        causes: Vec<(String, String, &'static str)>,
-    ) -> Self {
-        let summary: Vec<String> = causes
-            .iter()
-            .map(|(f, m, _)| {
-                if f.is_empty() {
-                    m.clone()
-                } else {
-                    format!("{f}: {m}")
-                }
-            })
-            .collect();
-        let mut details = Self::object_details(desc, name);
-        details["causes"] =
-            causes.iter().map(|(field, message, reason)| json!({"reason": reason, "message": message, "field": field})).collect();
-        Self::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "Invalid",
-            format!(
-                "{} \"{name}\" is invalid: {}",
-                desc.kind,
-                summary.join(", ")
-            ),
-        )
-        .with_details(details)
     }
 
     pub fn method_not_allowed(message: impl Into<String>) -> Self {
@@ -195,16 +154,87 @@ impl ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
+        RegistryError::Store(e).into()
+    }
+}
+
+fn causes_json(causes: &[Cause]) -> Value {
+    causes
+        .iter()
+        .map(|c| json!({"reason": c.reason, "message": c.message, "field": c.field}))
+        .collect()
+}
+
+/// The one place where the registry's outcome becomes a wire status: code, reason, details.
+impl From<RegistryError> for ApiError {
+    fn from(e: RegistryError) -> Self {
+        let message = e.to_string();
         match e {
-            StoreError::Unavailable(m) => {
-                ApiError::unavailable(format!("the database is unavailable, retry later: {m}"))
+            RegistryError::BadRequest(_) => ApiError::bad_request(message),
+            RegistryError::NotFound { resource, name } => ApiError::not_found(resource, &name),
+            RegistryError::AlreadyExists { resource, name } => {
+                ApiError::already_exists(resource, &name)
             }
-            StoreError::AlreadyExists => ApiError::new(
+            RegistryError::Conflict { resource, name, .. } => {
+                ApiError::new(StatusCode::CONFLICT, "Conflict", message)
+                    .with_details(ApiError::object_details(resource, &name))
+            }
+            RegistryError::ApplyConflict { source } => {
+                let causes = match &source {
+                    FieldManagerError::Conflicts(conflicts) => conflicts
+                        .iter()
+                        .map(|c| {
+                            Cause::new(
+                                c.field.clone(),
+                                format!("conflict with {}", c.manager),
+                                "FieldManagerConflict",
+                            )
+                        })
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                ApiError::new(StatusCode::CONFLICT, "Conflict", message)
+                    .with_details(json!({"causes": causes_json(&causes)}))
+            }
+            RegistryError::Invalid {
+                resource,
+                name,
+                causes,
+            } => {
+                let mut details = ApiError::object_details(resource, &name);
+                details["causes"] = causes_json(&causes);
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", message)
+                    .with_details(details)
+            }
+            RegistryError::InvalidOptions { options, causes } => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", message).with_details(
+                    json!({"group": "meta.k8s.io", "kind": options, "causes": causes_json(&causes)}),
+                )
+            }
+            RegistryError::Gone { continue_token, .. } => ApiError {
+                continue_token,
+                ..ApiError::gone(message)
+            },
+            RegistryError::ResourceVersionTooLarge { .. } => {
+                ApiError::new(StatusCode::GATEWAY_TIMEOUT, "Timeout", message).with_details(json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1}))
+            }
+            RegistryError::NamespaceNotFound(namespace) => {
+                ApiError::new(StatusCode::NOT_FOUND, "NotFound", message)
+                    .with_details(json!({"name": namespace, "kind": "namespaces"}))
+            }
+            RegistryError::NamespaceTerminating(namespace) => ApiError::forbidden(message)
+                .with_details(json!({"causes": [{"reason": "NamespaceTerminating", "message": format!("namespace {namespace} is being terminated"), "field": "metadata.namespace"}]})),
+            RegistryError::Unavailable(_) => ApiError::unavailable(message),
+            RegistryError::Internal(_) => ApiError::internal(message),
+            RegistryError::Store(StoreError::AlreadyExists) => ApiError::new(
                 StatusCode::CONFLICT,
                 "AlreadyExists",
                 "object already exists",
             ),
-            other => ApiError::internal(other.to_string()),
+            RegistryError::Store(StoreError::Unavailable { message, .. }) => ApiError::unavailable(
+                format!("the database is unavailable, retry later: {message}"),
+            ),
+            RegistryError::Store(other) => ApiError::internal(other.to_string()),
         }
     }
 }
@@ -221,6 +251,11 @@ impl IntoResponse for ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if self.code.is_server_error() {
+            response
+                .extensions_mut()
+                .insert(super::ErrorCause(self.message));
         }
         response
     }

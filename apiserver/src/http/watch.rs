@@ -1,5 +1,20 @@
 //! Watches: newline-delimited JSON events streamed from the change log.
 //!
+//! A watch is a state machine ([`WatchMachine`]) whose phases are, in order:
+//!
+//! * **initial pages** — without a start version, the current state as synthetic ADDED events,
+//!   read page by page (each page consistent at its own, increasing, version);
+//! * **catch-up** — the change log between the first and the last page's versions, so the
+//!   client ends exactly at the last page's state (see [`Announced`]); then a check that no
+//!   compaction removed what the catch-up needed, and the `initial-events-end` bookmark of a
+//!   streaming list;
+//! * **replay** — the change log between the start and what the live feed delivers;
+//! * **live** — events from the feed, bookmarks on a timer, the end at the timeout.
+//!
+//! Each phase is a small function returning the events to send and the next phase; any error
+//! ends the watch with one ERROR event, built in one place ([`error_event`]). The machine reads
+//! through [`WatchSource`], so its transitions are tested without a database or a server.
+//!
 //! Start semantics follow kube-apiserver: without `resourceVersion` (or with `"0"`) the client
 //! first gets a synthetic ADDED for every matching object, then live events; with `N` it gets
 //! every event after N, replayed from the change log, or a 410 Expired ERROR event when N is
@@ -9,6 +24,9 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -16,15 +34,19 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde_json::{Value, json};
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::{self, error::RecvError};
+use tokio::time::{Interval, Sleep};
 
 use super::AppState;
 use super::negotiate::{Negotiated, Representation, Target};
-use super::request::{Params, ResourcePath};
-use super::resources::{accept, include_object, render_object};
+use super::render::{accept, include_object, render_object};
+use super::request::Params;
 use super::status::ApiError;
+use crate::registry::{Cause, RegistryError, ResourceRef};
 use crate::store::feed::read_changes;
 use crate::store::{Change, EventType, ListQuery, Store};
+use crate::store::{ListPage, StoreError};
+use reports_server_crds::ResourceDescriptor;
 
 /// Longest a watch stays open when the client gives no `timeoutSeconds`.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
@@ -122,6 +144,366 @@ impl Filter {
     }
 }
 
+/// What a watch reads: pages of the current state, the change log, and the compaction horizon.
+pub trait WatchSource: Send + Sync + 'static {
+    fn page(&self, query: &ListQuery) -> impl Future<Output = Result<ListPage, StoreError>> + Send;
+    /// Changes after `after`, up to and including `up_to`, oldest first, at most `limit`.
+    fn changes(
+        &self,
+        after: i64,
+        up_to: i64,
+        limit: u64,
+    ) -> impl Future<Output = Result<Vec<Change>, StoreError>> + Send;
+    /// The oldest resourceVersion the change log no longer holds.
+    fn compacted(&self) -> impl Future<Output = Result<i64, StoreError>> + Send;
+}
+
+impl WatchSource for Store {
+    async fn page(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.list(query).await
+    }
+
+    async fn changes(&self, after: i64, up_to: i64, limit: u64) -> Result<Vec<Change>, StoreError> {
+        read_changes(self, after, Some(up_to), limit).await
+    }
+
+    async fn compacted(&self) -> Result<i64, StoreError> {
+        Ok(self.versions().await?.1)
+    }
+}
+
+/// Changes read per query in catch-up and replay.
+const CHANGE_BATCH: u64 = 1000;
+
+/// One event for the client, before rendering.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Object(EventType, Value),
+    Bookmark {
+        resource_version: i64,
+        initial_events_end: bool,
+    },
+}
+
+/// What one step of the machine produced.
+#[derive(Debug, PartialEq)]
+pub enum Step {
+    Events(Vec<Event>),
+    /// The watch ended normally (timeout, server shutdown).
+    End,
+    /// The watcher fell this many changes behind the feed; the client resumes from its last
+    /// event.
+    CutOff(u64),
+}
+
+enum Phase {
+    /// The start version is older than the change log: the watch ends with 410.
+    Expired {
+        start: i64,
+        compacted: i64,
+    },
+    InitialPages {
+        after: Option<(String, String)>,
+        snapshot: Option<i64>,
+        newest: i64,
+        announced: Announced,
+    },
+    CatchUp {
+        at: i64,
+        snapshot: i64,
+        newest: i64,
+        announced: Announced,
+    },
+    /// The catch-up is done: check it was not raced by a compaction, then announce the end of
+    /// the initial events if asked.
+    InitialEnd {
+        snapshot: i64,
+        newest: i64,
+    },
+    Replay {
+        from: i64,
+    },
+    Live {
+        from: i64,
+    },
+    Done,
+}
+
+/// Where the live phase gets its changes and its timing.
+pub struct Live {
+    pub feed: broadcast::Receiver<Arc<Change>>,
+    /// Highest version the feed had delivered when the watch subscribed: the replay ends here.
+    pub delivered: i64,
+    /// `Some` when the client allows bookmarks.
+    pub bookmarks: Option<Interval>,
+    pub deadline: Pin<Box<Sleep>>,
+}
+
+/// The state of one watch; see the module docs for the phases.
+pub struct WatchMachine<S> {
+    source: S,
+    filter: Filter,
+    resource: &'static ResourceDescriptor,
+    initial_events_end: bool,
+    live: Live,
+    phase: Phase,
+}
+
+impl<S: WatchSource> WatchMachine<S> {
+    /// A watch starting after `start` (`None`: with the current state), the change log kept
+    /// from `compacted` on.
+    fn new(
+        source: S,
+        filter: Filter,
+        resource: &'static ResourceDescriptor,
+        start: Option<i64>,
+        compacted: i64,
+        initial_events_end: bool,
+        live: Live,
+    ) -> Self {
+        let phase = match start {
+            Some(start) if start < compacted => Phase::Expired { start, compacted },
+            Some(from) => Phase::Replay { from },
+            None => Phase::InitialPages {
+                after: None,
+                snapshot: None,
+                newest: 0,
+                announced: Announced::default(),
+            },
+        };
+        WatchMachine {
+            source,
+            filter,
+            resource,
+            initial_events_end,
+            live,
+            phase,
+        }
+    }
+
+    /// Runs the current phase once.
+    pub async fn step(&mut self) -> Result<Step, RegistryError> {
+        let phase = std::mem::replace(&mut self.phase, Phase::Done);
+        let (events, next) = match phase {
+            Phase::Expired { start, compacted } => {
+                return Err(RegistryError::gone(format!(
+                    "too old resource version: {start} ({})",
+                    compacted + 1
+                )));
+            }
+            Phase::InitialPages {
+                after,
+                snapshot,
+                newest,
+                announced,
+            } => {
+                self.initial_page(after, snapshot, newest, announced)
+                    .await?
+            }
+            Phase::CatchUp {
+                at,
+                snapshot,
+                newest,
+                announced,
+            } => self.catch_up(at, snapshot, newest, announced).await?,
+            Phase::InitialEnd { snapshot, newest } => self.initial_end(snapshot, newest).await?,
+            Phase::Replay { from } => self.replay(from).await?,
+            Phase::Live { from } => match self.live(from).await {
+                LiveStep::Events(events, from) => (events, Phase::Live { from }),
+                LiveStep::End(events) => (events, Phase::Done),
+                LiveStep::CutOff(skipped) => return Ok(Step::CutOff(skipped)),
+            },
+            Phase::Done => return Ok(Step::End),
+        };
+        self.phase = next;
+        Ok(Step::Events(events))
+    }
+
+    /// One page of the current state as ADDED events.
+    async fn initial_page(
+        &self,
+        after: Option<(String, String)>,
+        snapshot: Option<i64>,
+        _newest: i64,
+        mut announced: Announced,
+    ) -> Result<(Vec<Event>, Phase), RegistryError> {
+        let query = ListQuery {
+            resource: self.resource,
+            namespace: self.filter.namespace.clone(),
+            labels: self.filter.params.labels.clone(),
+            fields: self.filter.params.fields.clone(),
+            limit: Some(INITIAL_PAGE_SIZE),
+            after,
+            metadata_only: false,
+        };
+        let page = self.source.page(&query).await?;
+        let snapshot = snapshot.unwrap_or(page.resource_version);
+        let newest = page.resource_version;
+        let mut events = Vec::with_capacity(page.rows.len());
+        for row in &page.rows {
+            let object = crate::store::parse_document_public(&row.name, &row.body)?;
+            announced.record(&row.namespace, &row.name, row.resource_version);
+            events.push(Event::Object(EventType::Added, object));
+        }
+        let next = if page.more {
+            Phase::InitialPages {
+                after: page
+                    .rows
+                    .last()
+                    .map(|r| (r.namespace.clone(), r.name.clone())),
+                snapshot: Some(snapshot),
+                newest,
+                announced,
+            }
+        } else {
+            Phase::CatchUp {
+                at: snapshot,
+                snapshot,
+                newest,
+                announced,
+            }
+        };
+        Ok((events, next))
+    }
+
+    /// One batch of the changes between the first and the last page's versions.
+    async fn catch_up(
+        &self,
+        at: i64,
+        snapshot: i64,
+        newest: i64,
+        mut announced: Announced,
+    ) -> Result<(Vec<Event>, Phase), RegistryError> {
+        let batch = if at < newest {
+            self.source.changes(at, newest, CHANGE_BATCH).await?
+        } else {
+            Vec::new()
+        };
+        if batch.is_empty() {
+            return Ok((Vec::new(), Phase::InitialEnd { snapshot, newest }));
+        }
+        let mut at = at;
+        let mut events = Vec::new();
+        for change in batch {
+            at = change.resource_version;
+            let event = self.filter.event_for(&change).and_then(|event| {
+                announced.reconcile(
+                    &change.namespace,
+                    &change.name,
+                    change.resource_version,
+                    event,
+                )
+            });
+            if let Some(event) = event {
+                events.push(Event::Object(event, with_rv(&change)));
+            }
+        }
+        Ok((
+            events,
+            Phase::CatchUp {
+                at,
+                snapshot,
+                newest,
+                announced,
+            },
+        ))
+    }
+
+    /// A compaction racing the catch-up could have removed changes it needed.
+    async fn initial_end(
+        &self,
+        snapshot: i64,
+        newest: i64,
+    ) -> Result<(Vec<Event>, Phase), RegistryError> {
+        if self.source.compacted().await? > snapshot {
+            return Err(RegistryError::gone(format!(
+                "the change log was compacted past {snapshot} while the initial events were sent; watch again"
+            )));
+        }
+        let events = if self.initial_events_end {
+            vec![Event::Bookmark {
+                resource_version: newest,
+                initial_events_end: true,
+            }]
+        } else {
+            Vec::new()
+        };
+        Ok((events, Phase::Replay { from: newest }))
+    }
+
+    /// One batch of the change log between `from` and what the live feed will deliver.
+    async fn replay(&self, from: i64) -> Result<(Vec<Event>, Phase), RegistryError> {
+        let delivered = self.live.delivered;
+        let batch = if from < delivered {
+            self.source.changes(from, delivered, CHANGE_BATCH).await?
+        } else {
+            Vec::new()
+        };
+        if batch.is_empty() {
+            return Ok((
+                Vec::new(),
+                Phase::Live {
+                    from: from.max(delivered),
+                },
+            ));
+        }
+        let mut from = from;
+        let mut events = Vec::new();
+        for change in batch {
+            from = change.resource_version;
+            if let Some(event) = self.filter.event_for(&change) {
+                events.push(Event::Object(event, with_rv(&change)));
+            }
+        }
+        Ok((events, Phase::Replay { from }))
+    }
+
+    /// Waits for the next live change, bookmark tick or the deadline.
+    async fn live(&mut self, from: i64) -> LiveStep {
+        let bookmark = |from| Event::Bookmark {
+            resource_version: from,
+            initial_events_end: false,
+        };
+        let live = &mut self.live;
+        tokio::select! {
+            _ = &mut live.deadline => {
+                LiveStep::End(if live.bookmarks.is_some() { vec![bookmark(from)] } else { Vec::new() })
+            }
+            _ = tick(&mut live.bookmarks) => LiveStep::Events(vec![bookmark(from)], from),
+            received = live.feed.recv() => match received {
+                Ok(change) if change.resource_version <= from => LiveStep::Events(Vec::new(), from),
+                Ok(change) => {
+                    let events = self
+                        .filter
+                        .event_for(&change)
+                        .map(|event| Event::Object(event, with_rv(&change)))
+                        .into_iter()
+                        .collect();
+                    LiveStep::Events(events, change.resource_version)
+                }
+                Err(RecvError::Lagged(skipped)) => LiveStep::CutOff(skipped),
+                Err(RecvError::Closed) => LiveStep::End(Vec::new()),
+            },
+        }
+    }
+}
+
+enum LiveStep {
+    Events(Vec<Event>, i64),
+    End(Vec<Event>),
+    CutOff(u64),
+}
+
+/// The next bookmark tick, or never when bookmarks are off.
+async fn tick(bookmarks: &mut Option<Interval>) {
+    match bookmarks {
+        Some(interval) => {
+            interval.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
 fn event_line(kind: &str, object: &Value) -> Bytes {
     let mut line =
         serde_json::to_vec(&json!({"type": kind, "object": object})).expect("events serialize");
@@ -129,43 +511,20 @@ fn event_line(kind: &str, object: &Value) -> Bytes {
     Bytes::from(line)
 }
 
-fn error_event(e: &ApiError) -> Bytes {
-    event_line("ERROR", &e.status())
+/// The terminal ERROR event of a watch: the only place a watch's error becomes bytes.
+fn error_event(e: RegistryError) -> Bytes {
+    event_line("ERROR", &ApiError::from(e).status())
 }
 
 pub async fn watch(
     state: &AppState,
-    path: &ResourcePath,
+    path: &ResourceRef,
     params: &Params,
     headers: &HeaderMap,
 ) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Collection)?;
     let include = include_object(params)?;
-    if params.send_initial_events.is_some()
-        && params.resource_version_match.as_deref() != Some("NotOlderThan")
-    {
-        return Err(ApiError::invalid(
-            path.resource,
-            "",
-            vec![("resourceVersionMatch".into(), "Forbidden: sendInitialEvents requires setting resourceVersionMatch to NotOlderThan".into(), "FieldValueForbidden")],
-        ));
-    }
-    if params.send_initial_events == Some(true) && !params.allow_watch_bookmarks {
-        return Err(ApiError::invalid(
-            path.resource,
-            "",
-            vec![(
-                "allowWatchBookmarks".into(),
-                "Forbidden: sendInitialEvents requires allowWatchBookmarks=true".into(),
-                "FieldValueForbidden",
-            )],
-        ));
-    }
-    if params.send_initial_events.is_none() && params.resource_version_match.is_some() {
-        return Err(ApiError::bad_request(
-            "resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided",
-        ));
-    }
+    check_watch_params(path, params)?;
     let store = state.store.clone();
     let (current, compacted) = store.versions().await?;
     let requested: Option<i64> = match params.resource_version.as_deref() {
@@ -190,141 +549,61 @@ pub async fn watch(
         .timeout_seconds
         .map(Duration::from_secs)
         .unwrap_or(DEFAULT_TIMEOUT);
-    let bookmarks = params.allow_watch_bookmarks;
-    let bookmark_interval = state.options.bookmark_interval;
-    let path = path.clone();
+    let bookmarks = params.allow_watch_bookmarks.then(|| {
+        let start = tokio::time::Instant::now() + state.options.bookmark_interval;
+        tokio::time::interval_at(start, state.options.bookmark_interval)
+    });
+    let resource = path.resource;
     let metrics = state.metrics.clone();
 
     // Subscribe before reading anything so nothing committed from here on can be missed.
-    let (mut live, delivered) = store.feed().subscribe().await;
-    let expired = start.is_some_and(|rv| rv < compacted);
+    let (feed, delivered) = store.feed().subscribe().await;
+    let live = Live {
+        feed,
+        delivered,
+        bookmarks,
+        deadline: Box::pin(tokio::time::sleep(timeout)),
+    };
+    let mut machine = WatchMachine::new(
+        store,
+        filter,
+        resource,
+        start,
+        compacted,
+        initial_events_end,
+        live,
+    );
+    let render = move |event: Event| match event {
+        Event::Object(kind, object) => {
+            event_line(kind.as_str(), &render_object(resource, n, include, &object))
+        }
+        Event::Bookmark {
+            resource_version,
+            initial_events_end,
+        } => event_line(
+            "BOOKMARK",
+            &bookmark_object(resource, n, resource_version, initial_events_end),
+        ),
+    };
     let stream = async_stream::stream! {
         let _watcher = metrics.watcher_started();
-        if expired {
-            let e = ApiError::gone(format!("too old resource version: {} ({})", start.unwrap_or_default(), compacted + 1));
-            yield Ok::<Bytes, Infallible>(error_event(&e));
-            return;
-        }
-        let render = |object: &Value| render_object(&path, n, include, object);
-        let deadline = tokio::time::sleep(timeout);
-        tokio::pin!(deadline);
-        // Everything after `from` is to be delivered.
-        let mut from = match start {
-            Some(rv) => rv,
-            None => {
-                // Synthetic ADDED events for the current state. Each page is a consistent read,
-                // but later pages are read at later versions than earlier ones; the catch-up
-                // below brings every page to the last page's version, so the client's state at
-                // the end is exactly the state at `newest`.
-                let mut announced = Announced::default();
-                let mut after = None;
-                let mut snapshot = None;
-                let mut newest;
-                loop {
-                    let query = ListQuery {
-                        resource: path.resource,
-                        namespace: path.namespace.clone(),
-                        labels: filter.params.labels.clone(),
-                        fields: filter.params.fields.clone(),
-                        limit: Some(INITIAL_PAGE_SIZE),
-                        after: after.clone(),
-                        metadata_only: false,
-                    };
-                    let page = match store.list(&query).await {
-                        Ok(p) => p,
-                        Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
-                    };
-                    snapshot.get_or_insert(page.resource_version);
-                    newest = page.resource_version;
-                    for row in &page.rows {
-                        match crate::store::parse_document_public(&row.name, &row.body) {
-                            Ok(object) => {
-                                announced.record(&row.namespace, &row.name, row.resource_version);
-                                yield Ok(event_line("ADDED", &render(&object)));
-                            }
-                            Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
-                        }
-                    }
-                    if !page.more { break; }
-                    after = page.rows.last().map(|r| (r.namespace.clone(), r.name.clone()));
-                }
-                let snapshot = snapshot.unwrap_or(current);
-                let mut at = snapshot;
-                while at < newest {
-                    let batch = match read_changes(&store, at, Some(newest), 1000).await {
-                        Ok(b) => b,
-                        Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
-                    };
-                    if batch.is_empty() { break; }
-                    for change in batch {
-                        at = change.resource_version;
-                        let event = filter.event_for(&change).and_then(|event| {
-                            announced.reconcile(&change.namespace, &change.name, change.resource_version, event)
-                        });
-                        if let Some(event) = event {
-                            yield Ok(event_line(event.as_str(), &render(&with_rv(&change))));
-                        }
-                    }
-                }
-                drop(announced);
-                // A compaction racing the catch-up could have removed changes it needed.
-                match store.versions().await {
-                    Ok((_, compacted)) if compacted > snapshot => {
-                        let e = ApiError::gone(format!("the change log was compacted past {snapshot} while the initial events were sent; watch again"));
-                        yield Ok(error_event(&e));
-                        return;
-                    }
-                    Ok(_) => {}
-                    Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
-                }
-                if initial_events_end {
-                    yield Ok(event_line("BOOKMARK", &bookmark_object(&path, n, newest, true)));
-                }
-                newest
-            }
-        };
-        // Replay the change log between `from` and what the live feed will deliver.
-        while from < delivered {
-            let batch = match read_changes(&store, from, Some(delivered), 1000).await {
-                Ok(b) => b,
-                Err(e) => { yield Ok(error_event(&ApiError::from(e))); return; }
-            };
-            if batch.is_empty() { break; }
-            for change in batch {
-                from = change.resource_version;
-                if let Some(event) = filter.event_for(&change) {
-                    yield Ok(event_line(event.as_str(), &render(&with_rv(&change))));
-                }
-            }
-        }
-        from = from.max(delivered);
-        let mut ticker = tokio::time::interval(bookmark_interval);
-        ticker.tick().await;
         loop {
-            tokio::select! {
-                _ = &mut deadline => {
-                    if bookmarks { yield Ok(event_line("BOOKMARK", &bookmark_object(&path, n, from, false))); }
+            match machine.step().await {
+                Ok(Step::Events(events)) => {
+                    for event in events {
+                        yield Ok::<Bytes, Infallible>(render(event));
+                    }
+                }
+                Ok(Step::End) => return,
+                Ok(Step::CutOff(skipped)) => {
+                    tracing::info!(skipped, "watcher fell behind the change feed and was cut off");
+                    metrics.watcher_cut_off();
                     return;
                 }
-                _ = ticker.tick(), if bookmarks => {
-                    yield Ok(event_line("BOOKMARK", &bookmark_object(&path, n, from, false)));
+                Err(e) => {
+                    yield Ok(error_event(e));
+                    return;
                 }
-                received = live.recv() => match received {
-                    Ok(change) => {
-                        if change.resource_version <= from { continue; }
-                        from = change.resource_version;
-                        if let Some(event) = filter.event_for(&change) {
-                            yield Ok(event_line(event.as_str(), &render(&with_rv(&change))));
-                        }
-                    }
-                    Err(RecvError::Lagged(skipped)) => {
-                        // Too slow: end the stream; the client resumes from its last event.
-                        tracing::info!(skipped, "watcher fell behind the change feed and was cut off");
-                        metrics.watcher_cut_off();
-                        return;
-                    }
-                    Err(RecvError::Closed) => return,
-                },
             }
         }
     };
@@ -332,7 +611,7 @@ pub async fn watch(
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_str(
-            &super::negotiate::Negotiated {
+            &Negotiated {
                 encoding: super::negotiate::Encoding::Json,
                 ..n
             }
@@ -347,6 +626,36 @@ pub async fn watch(
     Ok(response)
 }
 
+/// Checks the streaming-list parameters as kube-apiserver does.
+fn check_watch_params(path: &ResourceRef, params: &Params) -> Result<(), ApiError> {
+    if params.send_initial_events.is_some()
+        && params.resource_version_match.as_deref() != Some("NotOlderThan")
+    {
+        return Err(RegistryError::invalid(
+            path.resource,
+            "",
+            vec![Cause::new("resourceVersionMatch", "Forbidden: sendInitialEvents requires setting resourceVersionMatch to NotOlderThan", "FieldValueForbidden")],
+        )
+        .into());
+    }
+    if params.send_initial_events == Some(true) && !params.allow_watch_bookmarks {
+        return Err(RegistryError::invalid_field(
+            path.resource,
+            "",
+            "allowWatchBookmarks",
+            "Forbidden: sendInitialEvents requires allowWatchBookmarks=true",
+            "FieldValueForbidden",
+        )
+        .into());
+    }
+    if params.send_initial_events.is_none() && params.resource_version_match.is_some() {
+        return Err(ApiError::bad_request(
+            "resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided",
+        ));
+    }
+    Ok(())
+}
+
 fn with_rv(change: &Change) -> Value {
     let mut object = (*change.object).clone();
     object["metadata"]["resourceVersion"] = json!(change.resource_version.to_string());
@@ -355,7 +664,12 @@ fn with_rv(change: &Change) -> Value {
 
 /// A BOOKMARK object in the watch's representation; `initial_events_end` marks the end of a
 /// streaming list (`k8s.io/initial-events-end`).
-fn bookmark_object(path: &ResourcePath, n: Negotiated, rv: i64, initial_events_end: bool) -> Value {
+fn bookmark_object(
+    resource: &ResourceDescriptor,
+    n: Negotiated,
+    rv: i64,
+    initial_events_end: bool,
+) -> Value {
     let mut metadata = json!({"resourceVersion": rv.to_string()});
     if initial_events_end {
         metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
@@ -368,7 +682,7 @@ fn bookmark_object(path: &ResourcePath, n: Negotiated, rv: i64, initial_events_e
             json!({"kind": "Table", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata, "columnDefinitions": [], "rows": []})
         }
         _ => {
-            json!({"apiVersion": path.resource.api_version(), "kind": path.resource.kind, "metadata": metadata})
+            json!({"apiVersion": resource.api_version(), "kind": resource.kind, "metadata": metadata})
         }
     }
 }
@@ -376,6 +690,342 @@ fn bookmark_object(path: &ResourcePath, n: Negotiated, rv: i64, initial_events_e
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    use reports_server_crds::catalog::POLICY_REPORT;
+    use serde_json::json;
+
+    use crate::selector::LabelSelector;
+    use crate::store::ListRow;
+
+    /// A change log and a table in memory; `compact_during_catch_up` moves the horizon the
+    /// moment the catch-up reads, as a compaction racing it would.
+    #[derive(Default)]
+    struct FakeSource {
+        rows: Vec<ListRow>,
+        page_version: i64,
+        changes: Vec<Change>,
+        compacted: Mutex<i64>,
+        compact_during_catch_up: Option<i64>,
+    }
+
+    impl WatchSource for Arc<FakeSource> {
+        async fn page(&self, _query: &ListQuery) -> Result<ListPage, StoreError> {
+            Ok(ListPage {
+                rows: self.rows.clone(),
+                resource_version: self.page_version,
+                more: false,
+            })
+        }
+
+        async fn changes(
+            &self,
+            after: i64,
+            up_to: i64,
+            limit: u64,
+        ) -> Result<Vec<Change>, StoreError> {
+            if let Some(horizon) = self.compact_during_catch_up {
+                *self.compacted.lock().unwrap() = horizon;
+            }
+            Ok(self
+                .changes
+                .iter()
+                .filter(|c| c.resource_version > after && c.resource_version <= up_to)
+                .take(limit as usize)
+                .cloned()
+                .collect())
+        }
+
+        async fn compacted(&self) -> Result<i64, StoreError> {
+            Ok(*self.compacted.lock().unwrap())
+        }
+    }
+
+    fn object(name: &str, rv: i64) -> Value {
+        json!({"apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
+            "metadata": {"name": name, "namespace": "ns", "resourceVersion": rv.to_string()}})
+    }
+
+    fn row(name: &str, rv: i64) -> ListRow {
+        ListRow {
+            id: rv,
+            namespace: "ns".into(),
+            name: name.into(),
+            resource_version: rv,
+            metadata: object(name, rv)["metadata"].to_string(),
+            body: object(name, rv).to_string(),
+            summary: [0; 5],
+            scope_kind: None,
+            scope_name: None,
+        }
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    fn change(
+        name: &str,
+        rv: i64,
+        event: EventType,
+        now: &[(&str, &str)],
+        before: Option<&[(&str, &str)]>,
+    ) -> Change {
+        Change {
+            resource_version: rv,
+            resource: Store::resource_key(&POLICY_REPORT),
+            namespace: "ns".into(),
+            name: name.into(),
+            event,
+            labels: labels(now),
+            prev_labels: before.map(labels),
+            object: Arc::new(object(name, rv)),
+        }
+    }
+
+    fn filter(selector: &str) -> Filter {
+        Filter {
+            resource_key: Store::resource_key(&POLICY_REPORT),
+            namespace: Some("ns".into()),
+            params: Params {
+                labels: LabelSelector::parse(selector).unwrap(),
+                ..Default::default()
+            },
+        }
+    }
+
+    fn live(delivered: i64, bookmarks: Option<Duration>) -> (Live, broadcast::Sender<Arc<Change>>) {
+        let (sender, feed) = broadcast::channel(16);
+        let live = Live {
+            feed,
+            delivered,
+            bookmarks: bookmarks
+                .map(|every| tokio::time::interval_at(tokio::time::Instant::now() + every, every)),
+            deadline: Box::pin(tokio::time::sleep(Duration::from_secs(3600))),
+        };
+        (live, sender)
+    }
+
+    fn names(events: &[Event]) -> Vec<(String, String)> {
+        events
+            .iter()
+            .map(|e| match e {
+                Event::Object(t, o) => (
+                    t.as_str().to_owned(),
+                    o["metadata"]["name"].as_str().unwrap().to_owned(),
+                ),
+                Event::Bookmark {
+                    resource_version, ..
+                } => ("BOOKMARK".to_owned(), resource_version.to_string()),
+            })
+            .collect()
+    }
+
+    /// Steps until the machine reaches the live phase (or ends), collecting every event.
+    async fn until_live<S: WatchSource>(
+        machine: &mut WatchMachine<S>,
+    ) -> Result<Vec<Event>, RegistryError> {
+        let mut all = Vec::new();
+        while !matches!(machine.phase, Phase::Live { .. } | Phase::Done) {
+            match machine.step().await? {
+                Step::Events(events) => all.extend(events),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        Ok(all)
+    }
+
+    #[tokio::test]
+    async fn initial_pages_then_catch_up_then_replay_then_live() {
+        let source = Arc::new(FakeSource {
+            rows: vec![row("a", 3), row("b", 4)],
+            page_version: 5,
+            changes: vec![
+                change("b", 6, EventType::Modified, &[], Some(&[])),
+                change("c", 7, EventType::Added, &[], None),
+            ],
+            ..Default::default()
+        });
+        let (live, sender) = live(7, None);
+        let mut machine =
+            WatchMachine::new(source, filter(""), &POLICY_REPORT, None, 0, true, live);
+        let events = until_live(&mut machine).await.unwrap();
+        assert_eq!(
+            names(&events),
+            [
+                ("ADDED".to_owned(), "a".to_owned()),
+                ("ADDED".into(), "b".into()),
+                ("BOOKMARK".into(), "5".into()),
+                ("MODIFIED".into(), "b".into()),
+                ("ADDED".into(), "c".into()),
+            ]
+        );
+        // Live: an already-replayed version is skipped, a new one is sent.
+        sender
+            .send(Arc::new(change(
+                "c",
+                7,
+                EventType::Modified,
+                &[],
+                Some(&[]),
+            )))
+            .unwrap();
+        sender
+            .send(Arc::new(change(
+                "c",
+                8,
+                EventType::Modified,
+                &[],
+                Some(&[]),
+            )))
+            .unwrap();
+        assert_eq!(machine.step().await.unwrap(), Step::Events(Vec::new()));
+        let Step::Events(events) = machine.step().await.unwrap() else {
+            panic!()
+        };
+        assert_eq!(names(&events), [("MODIFIED".to_owned(), "c".to_owned())]);
+    }
+
+    #[tokio::test]
+    async fn a_compaction_racing_the_catch_up_ends_the_watch_with_410() {
+        let source = Arc::new(FakeSource {
+            rows: vec![row("a", 3)],
+            page_version: 5,
+            changes: vec![change("a", 6, EventType::Modified, &[], Some(&[]))],
+            compact_during_catch_up: Some(6),
+            ..Default::default()
+        });
+        let (live, _sender) = live(6, None);
+        let mut machine =
+            WatchMachine::new(source, filter(""), &POLICY_REPORT, None, 0, false, live);
+        let e = until_live(&mut machine).await.unwrap_err();
+        assert_eq!(e.reason(), "Expired");
+        assert!(e.to_string().contains("compacted past 5"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_start_older_than_the_change_log_is_410() {
+        let (live, _sender) = live(9, None);
+        let mut machine = WatchMachine::new(
+            Arc::new(FakeSource::default()),
+            filter(""),
+            &POLICY_REPORT,
+            Some(3),
+            5,
+            false,
+            live,
+        );
+        assert_eq!(machine.step().await.unwrap_err().reason(), "Expired");
+    }
+
+    #[tokio::test]
+    async fn label_transitions_become_added_and_deleted() {
+        let source = Arc::new(FakeSource {
+            changes: vec![
+                // Starts matching: ADDED; keeps matching: MODIFIED; stops: DELETED.
+                change("x", 4, EventType::Modified, &[("team", "a")], Some(&[])),
+                change(
+                    "x",
+                    5,
+                    EventType::Modified,
+                    &[("team", "a")],
+                    Some(&[("team", "a")]),
+                ),
+                change(
+                    "x",
+                    6,
+                    EventType::Modified,
+                    &[("team", "b")],
+                    Some(&[("team", "a")]),
+                ),
+                // Never matched: nothing.
+                change("y", 7, EventType::Modified, &[("team", "b")], Some(&[])),
+            ],
+            ..Default::default()
+        });
+        let (live, _sender) = live(7, None);
+        let mut machine = WatchMachine::new(
+            source,
+            filter("team=a"),
+            &POLICY_REPORT,
+            Some(3),
+            0,
+            false,
+            live,
+        );
+        let events = until_live(&mut machine).await.unwrap();
+        assert_eq!(
+            names(&events),
+            [
+                ("ADDED".to_owned(), "x".to_owned()),
+                ("MODIFIED".into(), "x".into()),
+                ("DELETED".into(), "x".into()),
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bookmarks_come_on_the_interval_and_at_the_deadline() {
+        let (mut live, _sender) = live(3, Some(Duration::from_secs(60)));
+        live.deadline = Box::pin(tokio::time::sleep(Duration::from_secs(150)));
+        let started = tokio::time::Instant::now();
+        let mut machine = WatchMachine::new(
+            Arc::new(FakeSource::default()),
+            filter(""),
+            &POLICY_REPORT,
+            Some(3),
+            0,
+            false,
+            live,
+        );
+        assert_eq!(until_live(&mut machine).await.unwrap(), []);
+        let bookmark = Event::Bookmark {
+            resource_version: 3,
+            initial_events_end: false,
+        };
+        for expected in [60, 120] {
+            assert_eq!(
+                machine.step().await.unwrap(),
+                Step::Events(vec![bookmark.clone()])
+            );
+            assert_eq!(started.elapsed(), Duration::from_secs(expected));
+        }
+        // The deadline: a last bookmark, then the end.
+        assert_eq!(machine.step().await.unwrap(), Step::Events(vec![bookmark]));
+        assert_eq!(started.elapsed(), Duration::from_secs(150));
+        assert_eq!(machine.step().await.unwrap(), Step::End);
+    }
+
+    #[tokio::test]
+    async fn a_watcher_that_falls_behind_is_cut_off() {
+        let (live, sender) = live(3, None);
+        let mut machine = WatchMachine::new(
+            Arc::new(FakeSource::default()),
+            filter(""),
+            &POLICY_REPORT,
+            Some(3),
+            0,
+            false,
+            live,
+        );
+        until_live(&mut machine).await.unwrap();
+        for rv in 4..30 {
+            sender
+                .send(Arc::new(change(
+                    "x",
+                    rv,
+                    EventType::Modified,
+                    &[],
+                    Some(&[]),
+                )))
+                .unwrap();
+        }
+        assert!(matches!(machine.step().await.unwrap(), Step::CutOff(_)));
+    }
 
     fn announced(objects: &[(&str, i64)]) -> Announced {
         let mut a = Announced::default();

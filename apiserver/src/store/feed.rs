@@ -15,7 +15,7 @@ use sea_orm::{ConnectionTrait, DbBackend};
 use serde_json::Value;
 use tokio::sync::{Notify, broadcast};
 
-use super::migration::m20261121_000001_initial::Changes;
+use super::schema::Changes;
 use super::{Store, StoreError, parse_document};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

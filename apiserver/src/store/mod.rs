@@ -19,6 +19,7 @@ pub mod feed;
 pub mod lease;
 pub mod migration;
 mod read;
+pub mod schema;
 mod write;
 
 use std::sync::Arc;
@@ -41,13 +42,23 @@ pub mod write_target {
     pub use super::write::Target;
 }
 
-/// Errors of the store. Handlers map them to Kubernetes `Status` responses.
+/// Errors of the store. The registry maps them to its typed errors; only the HTTP layer turns
+/// those into `Status` responses.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("the database is unavailable: {0}")]
-    Unavailable(String),
+    /// The database cannot be reached or refused the connection: worth retrying later.
+    #[error("the database is unavailable: {message}")]
+    Unavailable {
+        message: String,
+        #[source]
+        source: Option<DbErr>,
+    },
+    /// The database answered with an error a retry will not fix.
     #[error("database error: {0}")]
-    Database(String),
+    Database(#[source] DbErr),
+    /// The database answered, but not what the schema promises (a missing state row, …).
+    #[error("database error: {0}")]
+    Inconsistent(String),
     #[error("stored object {0} is corrupt: {1}")]
     Corrupt(String, String),
     #[error("an object with this name already exists")]
@@ -57,24 +68,64 @@ pub enum StoreError {
     Config(String),
 }
 
-impl From<DbErr> for StoreError {
-    fn from(e: DbErr) -> Self {
-        let text = e.to_string();
-        let lower = text.to_lowercase();
-        if matches!(e, DbErr::ConnectionAcquire(_) | DbErr::Conn(_))
-            || lower.contains("connection refused")
-            || lower.contains("pool timed out")
-            || lower.contains("broken pipe")
-            || lower.contains("connection reset")
-            || lower.contains("terminating connection")
-            || lower.contains("the database system is")
-            || lower.contains("unable to open database")
-        {
-            StoreError::Unavailable(text)
-        } else {
-            StoreError::Database(text)
+impl StoreError {
+    /// `true` when the database could not be reached: the request may succeed later.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable { .. })
+    }
+
+    fn unavailable(message: impl Into<String>) -> Self {
+        StoreError::Unavailable {
+            message: message.into(),
+            source: None,
         }
     }
+}
+
+impl From<DbErr> for StoreError {
+    fn from(e: DbErr) -> Self {
+        if connection_lost(&e) {
+            StoreError::Unavailable {
+                message: e.to_string(),
+                source: Some(e),
+            }
+        } else {
+            StoreError::Database(e)
+        }
+    }
+}
+
+/// Whether an error means the database is out of reach rather than that the statement failed,
+/// decided from the driver's error kind and SQLSTATE/result code, not from message text.
+fn connection_lost(e: &DbErr) -> bool {
+    let sqlx = match e {
+        DbErr::ConnectionAcquire(_) | DbErr::Conn(_) => return true,
+        DbErr::Exec(sea_orm::RuntimeErr::SqlxError(s))
+        | DbErr::Query(sea_orm::RuntimeErr::SqlxError(s)) => s,
+        _ => return false,
+    };
+    match sqlx.as_ref() {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| unavailable_code(&code)),
+        _ => false,
+    }
+}
+
+/// Codes of "cannot serve you now" answers: PostgreSQL's SQLSTATE classes 08 (connection
+/// exception) and 57P (operator intervention: shutdown, recovery, "the database system is
+/// starting up") plus 53300 (too many connections); SQLite's SQLITE_CANTOPEN (14); MySQL's
+/// server-gone and too-many-connections errors.
+fn unavailable_code(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("57P")
+        || code == "53300"
+        || code == "14"
+        || matches!(code, "1040" | "2002" | "2003" | "2006" | "2013")
 }
 
 /// Tunables of the store; the CLI exposes each as a flag.
@@ -238,10 +289,10 @@ impl Store {
 
     /// Fails when the database does not answer; `/readyz` uses it.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.db
-            .ping()
-            .await
-            .map_err(|e| StoreError::Unavailable(e.to_string()))
+        self.db.ping().await.map_err(|e| StoreError::Unavailable {
+            message: e.to_string(),
+            source: Some(e),
+        })
     }
 
     /// The newest committed resourceVersion and the oldest one a watch can resume from.
@@ -316,7 +367,7 @@ async fn explain_pool_timeout(options: &StoreOptions) -> StoreError {
             options.connect_timeout
         ),
     };
-    StoreError::Unavailable(format!(
+    StoreError::unavailable(format!(
         "cannot connect to {}: {cause}",
         redact_password(url)
     ))

@@ -8,7 +8,7 @@ use sea_orm::{
 };
 use serde_json::Value;
 
-use super::migration::m20261121_000001_initial::{ObjectLabels, Objects, StoreState};
+use super::schema::{ObjectLabels, Objects, StoreState};
 use super::{Store, StoreError, parse_document};
 use crate::selector::{Field, FieldSelector, LabelSelector, Requirement};
 
@@ -68,7 +68,7 @@ pub(super) async fn versions(
         )
         .await?
         .ok_or_else(|| {
-            StoreError::Database(format!(
+            StoreError::Inconsistent(format!(
                 "store_state has no row for cluster {cluster_id} ({backend:?})"
             ))
         })?;
@@ -270,7 +270,7 @@ impl Store {
             .connection()
             .query_one(&q)
             .await?
-            .ok_or_else(|| StoreError::Database("COUNT returned nothing".into()))?;
+            .ok_or_else(|| StoreError::Inconsistent("COUNT returned nothing".into()))?;
         Ok(row.try_get("", "n")?)
     }
 

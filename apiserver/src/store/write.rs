@@ -11,9 +11,7 @@ use serde_json::Value;
 
 use super::columns::{ObjectColumns, result_rows};
 use super::feed::EventType;
-use super::migration::m20261121_000001_initial::{
-    Changes, ObjectLabels, Objects, Results, StoreState,
-};
+use super::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
 use super::{Store, StoreError, parse_document};
 
 /// What a write does to one object, decided from its current state.
@@ -383,8 +381,10 @@ impl Store {
         } else {
             insert.returning_col(Objects::Id);
             let row = txn.query_one(&insert).await.map_err(unique_to_exists)?;
-            row.ok_or_else(|| StoreError::Database("INSERT … RETURNING returned no row".into()))?
-                .try_get("", "id")?
+            row.ok_or_else(|| {
+                StoreError::Inconsistent("INSERT … RETURNING returned no row".into())
+            })?
+            .try_get("", "id")?
         };
         self.write_side_rows(txn, id, key, t, object, &cols).await
     }
@@ -591,9 +591,12 @@ impl Store {
     }
 }
 
+/// The primary key already taken: the driver's unique-violation code, not its wording.
 fn unique_to_exists(e: sea_orm::DbErr) -> StoreError {
-    let text = e.to_string().to_lowercase();
-    if text.contains("unique") || text.contains("duplicate") {
+    if matches!(
+        e.sql_err(),
+        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
+    ) {
         StoreError::AlreadyExists
     } else {
         e.into()

@@ -7,96 +7,14 @@
 use sea_orm::DbBackend;
 use sea_orm_migration::prelude::*;
 
+use crate::store::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
+
 pub struct Migration;
 
 impl MigrationName for Migration {
     fn name(&self) -> &str {
         "m20261121_000001_initial"
     }
-}
-
-#[derive(DeriveIden)]
-pub enum Objects {
-    Table,
-    Id,
-    ClusterId,
-    Resource,
-    Namespace,
-    Name,
-    Uid,
-    ResourceVersion,
-    Generation,
-    CreatedAt,
-    DeletedAt,
-    OwnerUids,
-    SummaryPass,
-    SummaryFail,
-    SummaryWarn,
-    SummaryError,
-    SummarySkip,
-    ScopeKind,
-    ScopeNamespace,
-    ScopeName,
-    ScopeUid,
-    Metadata,
-    Body,
-}
-
-#[derive(DeriveIden)]
-pub enum ObjectLabels {
-    Table,
-    ObjectId,
-    Key,
-    Value,
-}
-
-#[derive(DeriveIden)]
-pub enum Changes {
-    Table,
-    ClusterId,
-    Rv,
-    Resource,
-    Namespace,
-    Name,
-    EventType,
-    Labels,
-    PrevLabels,
-    Body,
-    CreatedAt,
-}
-
-#[derive(DeriveIden)]
-pub enum StoreState {
-    Table,
-    ClusterId,
-    Rv,
-    CompactedRv,
-}
-
-#[derive(DeriveIden)]
-pub enum Results {
-    Table,
-    Id,
-    ObjectId,
-    ClusterId,
-    Resource,
-    Namespace,
-    ReportName,
-    Source,
-    Policy,
-    Rule,
-    Result,
-    Severity,
-    Category,
-    Scored,
-    SubjectApiVersion,
-    SubjectKind,
-    SubjectNamespace,
-    SubjectName,
-    SubjectUid,
-    Timestamp,
-    Message,
-    Properties,
 }
 
 /// A column for JSON documents of any size (MySQL's TEXT stops at 64 KiB).

@@ -7,27 +7,14 @@
 
 use sea_orm_migration::prelude::*;
 
+pub use crate::store::schema::Leases;
+
 pub struct Migration;
 
 impl MigrationName for Migration {
     fn name(&self) -> &str {
         "m20261122_000002_aggregator_lease"
     }
-}
-
-#[derive(DeriveIden)]
-pub enum Leases {
-    Table,
-    /// Lease name, e.g. `aggregator/<cluster id>`.
-    Name,
-    /// Identity of the current holder; `""` when released.
-    Holder,
-    /// Holder's wall clock at the last acquire or renew, in Unix milliseconds. Strictly
-    /// increases while a holder renews, so observers can tell a live lease from a dead one.
-    RenewedAt,
-    /// `renewed_at` + lease duration (informational: takeover is decided on the observer's own
-    /// clock, see `store::lease`).
-    ExpiresAt,
 }
 
 #[async_trait::async_trait]

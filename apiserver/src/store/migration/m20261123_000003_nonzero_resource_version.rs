@@ -10,7 +10,7 @@
 
 use sea_orm_migration::prelude::*;
 
-use super::m20261121_000001_initial::StoreState;
+use crate::store::schema::StoreState;
 
 pub struct Migration;
 

@@ -15,6 +15,7 @@ use crate::http::{ApiOptions, AppState, router};
 use crate::metrics::Metrics;
 use crate::pki::CertPair;
 use crate::pki::StandalonePki;
+use crate::registry::{Admission, Registry};
 use crate::server;
 use crate::server::ClientAuth;
 use crate::store::{Store, StoreOptions};
@@ -42,7 +43,7 @@ pub enum AuthMode {
 }
 
 #[derive(Clone)]
-pub struct StandaloneConfig {
+pub struct ServerConfig {
     pub data_dir: PathBuf,
     pub bind: SocketAddr,
     pub store: StoreOptions,
@@ -95,7 +96,7 @@ impl RunningServer {
 }
 
 /// Starts the server: PKI, database (migrated), listener, and in standalone mode the kubeconfig.
-pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError> {
+pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
     let mut extra_names = vec![config.bind.ip().to_string()];
     extra_names.extend(config.serving_names.iter().cloned());
     let pki = StandalonePki::load_or_create(&config.data_dir, &extra_names)?;
@@ -114,10 +115,10 @@ pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError
             let client_auth = ClientAuth::Roots(vec![pki.ca.cert_pem.clone()]);
             let tls = server::tls_config(&serving.cert_pem, &serving.key_pem, client_auth)?;
             let state = AppState {
+                registry: Registry::new(store.clone(), None),
                 store: store.clone(),
                 authenticator: Arc::new(ClientCertAuthenticator),
                 authorizer: Arc::new(AllowAuthenticated),
-                admission: None,
                 metrics: metrics.clone(),
                 options: config.api.clone(),
             };
@@ -127,11 +128,12 @@ pub async fn start(config: StandaloneConfig) -> Result<RunningServer, StartError
             let (authenticator, verifier) = DelegatedAuthenticator::start(client.clone()).await?;
             let client_auth = ClientAuth::Verifier(Arc::new(verifier));
             let tls = server::tls_config(&serving.cert_pem, &serving.key_pem, client_auth)?;
+            let admission: Arc<dyn Admission> = NamespaceLifecycle::start(client.clone()).await;
             let state = AppState {
+                registry: Registry::new(store.clone(), Some(admission)),
                 store: store.clone(),
                 authenticator,
                 authorizer: Arc::new(SarAuthorizer::new(client.clone())),
-                admission: Some(NamespaceLifecycle::start(client.clone()).await),
                 metrics: metrics.clone(),
                 options: config.api.clone(),
             };

@@ -1,4 +1,6 @@
-//! In-process aggregation: Kyverno's ephemeral-to-policy-report merge, next to the data.
+//! The in-process Kyverno report merger: ephemeral reports merged into policy reports, next
+//! to the data. (Kyverno calls this "aggregation"; the module is named for what it does, apart
+//! from the Kubernetes API aggregation layer and aggregated discovery.)
 //!
 //! With Kyverno running `--aggregateReports=false`, `reports-server serve` merges the
 //! ephemeral reports itself (the merge rules are the aggregator crate's, see
@@ -61,11 +63,10 @@ use serde_json::Value;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
-use crate::http::objects::{
-    DeletePreconditions, FieldValidation, Validation, decide_delete, decide_update, prepare_create,
+use crate::registry::{
+    DeletePreconditions, FieldValidation, RegistryError, ResourceRef, Validation, decide_delete,
+    decide_update, prepare_create,
 };
-use crate::http::request::ResourcePath;
-use crate::http::status::ApiError;
 use crate::store::lease::LeaseRecord;
 use crate::store::write_target::Target;
 use crate::store::{Change, EventType, Mutation, Store, StoreError, parse_document};
@@ -108,7 +109,9 @@ pub enum AggregationError {
 impl From<AggregationError> for BackendError {
     fn from(e: AggregationError) -> Self {
         match e {
-            AggregationError::Store(StoreError::Unavailable(m)) => BackendError::Unavailable(m),
+            AggregationError::Store(e) if e.is_unavailable() => {
+                BackendError::Unavailable(e.to_string())
+            }
             AggregationError::Store(StoreError::AlreadyExists) => {
                 BackendError::Conflict("a report to create already exists".into())
             }
@@ -506,25 +509,21 @@ impl Op<'_> {
     fn decide(&self, current: Option<Value>) -> Result<Mutation, AggregationError> {
         let (kind, namespace, name) = self.address();
         let desc = descriptor(kind);
-        let path = ResourcePath {
-            resource: desc,
-            namespace: (!namespace.is_empty()).then(|| namespace.clone()),
-            name: Some(name.clone()),
-        };
+        let path = ResourceRef::new(desc, &namespace);
         // Objects come from typed structs: nothing unknown to warn about.
         let validation = Validation {
             mode: FieldValidation::Ignore,
             duplicates: Vec::new(),
         };
-        let api = |e: ApiError| {
-            if e.code.as_u16() == 409 {
-                AggregationError::Conflict(e.message)
+        let api = |e: RegistryError| {
+            if e.is_conflict() {
+                AggregationError::Conflict(e.to_string())
             } else {
                 AggregationError::Invalid {
                     kind,
                     namespace: namespace.clone(),
                     name: name.clone(),
-                    message: e.message,
+                    message: e.to_string(),
                 }
             }
         };
@@ -618,15 +617,11 @@ impl StoreEphemeralReports {
         &self,
         namespace: &str,
         report: &ObjectMeta,
-        change: impl FnOnce(&ResourcePath, &str, Value) -> Result<Mutation, ApiError> + Send,
+        change: impl FnOnce(&ResourceRef, &str, Value) -> Result<Mutation, RegistryError> + Send,
     ) -> Result<Written, ReportsError> {
         let desc = descriptor(ephemeral_kind(namespace));
         let name = report.name.clone().unwrap_or_default();
-        let path = ResourcePath {
-            resource: desc,
-            namespace: (!namespace.is_empty()).then(|| namespace.to_owned()),
-            name: Some(name.clone()),
-        };
+        let path = ResourceRef::new(desc, namespace);
         let mut written = Written::Done;
         let outcome = self
             .store
@@ -643,14 +638,14 @@ impl StoreEphemeralReports {
                     return Ok(Mutation::Unchanged);
                 }
                 change(&path, &name, current).map_err(|e| {
-                    if e.code.as_u16() == 409 {
-                        AggregationError::Conflict(e.message)
+                    if e.is_conflict() {
+                        AggregationError::Conflict(e.to_string())
                     } else {
                         AggregationError::Invalid {
                             kind: ephemeral_kind(namespace),
                             namespace: namespace.to_owned(),
                             name: name.clone(),
-                            message: e.message,
+                            message: e.to_string(),
                         }
                     }
                 })

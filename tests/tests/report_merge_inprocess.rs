@@ -15,7 +15,7 @@ use reports_server_aggregator::{
     MergeInput, MergeOptions, Metrics, ObjectKey, PageRequest, Plan, QueueConfig, ReportKind,
     merge_page,
 };
-use reports_server_apiserver::aggregation::{InProcessAggregator, StoreBackend};
+use reports_server_apiserver::report_merge::{InProcessAggregator, StoreBackend};
 use reports_server_apiserver::selector::{FieldSelector, LabelSelector};
 use reports_server_apiserver::store::feed::read_changes;
 use reports_server_apiserver::store::{ListQuery, Mutation, Store, StoreError, StoreOptions};

@@ -5,8 +5,8 @@
 use reports_server_crds::ResourceDescriptor;
 use serde_json::{Map, Value, json};
 
-use super::request::{ResourcePath, is_dns_subdomain};
-use super::status::ApiError;
+use super::error::{Cause, RegistryError};
+use super::{ResourceRef, is_dns_subdomain};
 use crate::fieldmanager::{self, ApplyPlan, FieldManagerError, KindSchema, Writer, track_update};
 use crate::store::Mutation;
 
@@ -68,7 +68,7 @@ impl Validation {
     }
 
     /// Applies the mode to the problems found: an error for Strict, warnings for Warn.
-    fn judge(&self, unknown: Vec<String>) -> Result<Vec<String>, ApiError> {
+    fn judge(&self, unknown: Vec<String>) -> Result<Vec<String>, RegistryError> {
         if self.mode == FieldValidation::Ignore {
             return Ok(Vec::new());
         }
@@ -82,7 +82,7 @@ impl Validation {
             )
             .collect();
         if self.mode == FieldValidation::Strict && !problems.is_empty() {
-            return Err(ApiError::bad_request(format!(
+            return Err(RegistryError::bad_request(format!(
                 "strict decoding error: {}",
                 problems.join(", ")
             )));
@@ -94,20 +94,20 @@ impl Validation {
 /// Checks `apiVersion`/`kind` (filling them in when absent), the namespace against the URL and
 /// the schema; returns the canonical (pruned) object and field-validation warnings.
 pub fn check_and_normalize(
-    path: &ResourcePath,
+    path: &ResourceRef,
     object: Value,
     validation: &Validation,
-) -> Result<(Value, Vec<String>), ApiError> {
+) -> Result<(Value, Vec<String>), RegistryError> {
     let sent = object.clone();
     let kept = check_and_prune(path, object)?;
     let warnings = validation.judge(super::fields::unknown_fields(&sent, &kept))?;
     Ok((kept, warnings))
 }
 
-fn check_and_prune(path: &ResourcePath, mut object: Value) -> Result<Value, ApiError> {
+fn check_and_prune(path: &ResourceRef, mut object: Value) -> Result<Value, RegistryError> {
     let desc = path.resource;
     let Some(map) = object.as_object_mut() else {
-        return Err(ApiError::bad_request(format!(
+        return Err(RegistryError::bad_request(format!(
             "the request body must be a {} object",
             desc.kind
         )));
@@ -119,7 +119,7 @@ fn check_and_prune(path: &ResourcePath, mut object: Value) -> Result<Value, ApiE
         }
         Some(v) if v == api_version => {}
         Some(v) => {
-            return Err(ApiError::bad_request(format!(
+            return Err(RegistryError::bad_request(format!(
                 "the API version in the data ({v}) does not match the expected API version ({api_version})"
             )));
         }
@@ -130,19 +130,19 @@ fn check_and_prune(path: &ResourcePath, mut object: Value) -> Result<Value, ApiE
         }
         Some(k) if k == desc.kind => {}
         Some(k) => {
-            return Err(ApiError::bad_request(format!(
+            return Err(RegistryError::bad_request(format!(
                 "the kind in the data ({k}) does not match the expected kind ({})",
                 desc.kind
             )));
         }
     }
     if !map.get("metadata").is_none_or(Value::is_object) {
-        return Err(ApiError::invalid(
+        return Err(RegistryError::invalid(
             desc,
             "",
-            vec![(
-                "metadata".into(),
-                "must be an object".into(),
+            vec![Cause::new(
+                "metadata",
+                "must be an object",
                 "FieldValueInvalid",
             )],
         ));
@@ -155,7 +155,7 @@ fn check_and_prune(path: &ResourcePath, mut object: Value) -> Result<Value, ApiE
         metadata.get("namespace").and_then(Value::as_str),
     ) {
         (Some(url), Some(body)) if !body.is_empty() && body != url => {
-            return Err(ApiError::bad_request(
+            return Err(RegistryError::bad_request(
                 "the namespace of the provided object does not match the namespace sent on the request",
             ));
         }
@@ -178,28 +178,28 @@ fn check_and_prune(path: &ResourcePath, mut object: Value) -> Result<Value, ApiE
         } else {
             e.field.clone()
         };
-        ApiError::invalid(desc, &name, vec![(field, e.message, reason)])
+        RegistryError::invalid(desc, &name, vec![Cause::new(field, e.message, reason)])
     })
 }
 
-fn validate_name(desc: &ResourceDescriptor, name: &str) -> Result<(), ApiError> {
+fn validate_name(desc: &'static ResourceDescriptor, name: &str) -> Result<(), RegistryError> {
     if name.is_empty() {
-        return Err(ApiError::invalid(
+        return Err(RegistryError::invalid(
             desc,
             name,
-            vec![(
-                "metadata.name".into(),
-                "Required value: name or generateName is required".into(),
+            vec![Cause::new(
+                "metadata.name",
+                "Required value: name or generateName is required",
                 "FieldValueRequired",
             )],
         ));
     }
     if !is_dns_subdomain(name) {
-        return Err(ApiError::invalid(
+        return Err(RegistryError::invalid(
             desc,
             name,
-            vec![(
-                "metadata.name".into(),
+            vec![Cause::new(
+                "metadata.name",
                 format!(
                     "Invalid value: {name:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
                 ),
@@ -223,20 +223,20 @@ fn random_suffix() -> String {
 /// server-owned metadata. Returns the object and its name. The server itself is the field
 /// manager; requests use [`prepare_create_as`].
 pub fn prepare_create(
-    path: &ResourcePath,
+    path: &ResourceRef,
     object: Value,
     validation: &Validation,
-) -> Result<(Value, String, Vec<String>), ApiError> {
+) -> Result<(Value, String, Vec<String>), RegistryError> {
     prepare_create_as(path, object, validation, INTERNAL_MANAGER)
 }
 
 /// [`prepare_create`] on behalf of field manager `manager`, who then owns every field.
 pub fn prepare_create_as(
-    path: &ResourcePath,
+    path: &ResourceRef,
     object: Value,
     validation: &Validation,
     manager: &str,
-) -> Result<(Value, String, Vec<String>), ApiError> {
+) -> Result<(Value, String, Vec<String>), RegistryError> {
     let desc = path.resource;
     let (mut object, warnings) = check_and_normalize(path, object, validation)?;
     let meta = object["metadata"]
@@ -247,7 +247,7 @@ pub fn prepare_create_as(
         .and_then(Value::as_str)
         .is_some_and(|rv| !rv.is_empty())
     {
-        return Err(ApiError::bad_request(
+        return Err(RegistryError::bad_request(
             "resourceVersion should not be set on objects to be created",
         ));
     }
@@ -322,26 +322,26 @@ fn content(object: &Value) -> Map<String, Value> {
 /// concurrency, server-owned metadata, generation bump, finalizer-driven deletion. The server
 /// itself is the field manager; requests use [`decide_update_as`].
 pub fn decide_update(
-    path: &ResourcePath,
+    path: &ResourceRef,
     name: &str,
     current: Option<Value>,
     desired: Value,
     validation: &Validation,
-) -> Result<(Mutation, Value, Vec<String>), ApiError> {
+) -> Result<(Mutation, Value, Vec<String>), RegistryError> {
     decide_update_as(path, name, current, desired, validation, INTERNAL_MANAGER)
 }
 
 /// [`decide_update`] on behalf of field manager `manager`, who then owns what it changed.
 pub fn decide_update_as(
-    path: &ResourcePath,
+    path: &ResourceRef,
     name: &str,
     current: Option<Value>,
     desired: Value,
     validation: &Validation,
     manager: &str,
-) -> Result<(Mutation, Value, Vec<String>), ApiError> {
+) -> Result<(Mutation, Value, Vec<String>), RegistryError> {
     let desc = path.resource;
-    let current = current.ok_or_else(|| ApiError::not_found(desc, name))?;
+    let current = current.ok_or_else(|| RegistryError::not_found(desc, name))?;
     let (mut desired, warnings) = check_and_normalize(path, desired, validation)?;
     check_update(path, name, &current, &mut desired)?;
     let (now, api_version) = (now_rfc3339(), desc.api_version());
@@ -357,17 +357,17 @@ pub fn decide_update_as(
 
 /// Name, optimistic concurrency and UID checks of an update; restores server-owned metadata.
 fn check_update(
-    path: &ResourcePath,
+    path: &ResourceRef,
     name: &str,
     current: &Value,
     desired: &mut Value,
-) -> Result<(), ApiError> {
+) -> Result<(), RegistryError> {
     let desc = path.resource;
     let body_name = name_of(desired);
     if body_name.is_empty() {
         desired["metadata"]["name"] = json!(name);
     } else if body_name != name {
-        return Err(ApiError::bad_request(format!(
+        return Err(RegistryError::bad_request(format!(
             "the name of the object ({body_name}) does not match the name on the URL ({name})"
         )));
     }
@@ -377,18 +377,18 @@ fn check_update(
         .to_owned();
     match desired["metadata"]["resourceVersion"].as_str() {
         None | Some("") => {
-            return Err(ApiError::invalid(
+            return Err(RegistryError::invalid(
                 desc,
                 name,
-                vec![(
-                    "metadata.resourceVersion".into(),
-                    "Invalid value: 0x0: must be specified for an update".into(),
+                vec![Cause::new(
+                    "metadata.resourceVersion",
+                    "Invalid value: 0x0: must be specified for an update",
                     "FieldValueInvalid",
                 )],
             ));
         }
         Some(rv) if rv != current_rv => {
-            return Err(ApiError::conflict(
+            return Err(RegistryError::conflict(
                 desc,
                 name,
                 "the object has been modified; please apply your changes to the latest version and try again",
@@ -401,7 +401,7 @@ fn check_update(
         .filter(|u| !u.is_empty())
         && Some(uid) != current["metadata"]["uid"].as_str()
     {
-        return Err(ApiError::conflict(
+        return Err(RegistryError::conflict(
             desc,
             name,
             &format!(
@@ -452,29 +452,21 @@ fn gvk_string(api_version: &str, kind: &str) -> String {
     format!("{group}/{version}, Kind={kind}")
 }
 
-fn apply_error(desc: &ResourceDescriptor, name: &str, e: FieldManagerError) -> ApiError {
-    match &e {
-        FieldManagerError::Conflicts(conflicts) => {
-            ApiError::new(axum::http::StatusCode::CONFLICT, "Conflict", e.to_string()).with_details(
-                json!({
-                    "causes": conflicts.iter().map(|c| json!({
-                        "reason": "FieldManagerConflict",
-                        "message": format!("conflict with {}", c.manager),
-                        "field": c.field,
-                    })).collect::<Vec<_>>()
-                }),
-            )
-        }
-        FieldManagerError::InvalidConfig(m) => ApiError::invalid(
+fn apply_error(
+    desc: &'static ResourceDescriptor,
+    name: &str,
+    e: FieldManagerError,
+) -> RegistryError {
+    match e {
+        FieldManagerError::Conflicts(_) => RegistryError::ApplyConflict { source: e },
+        FieldManagerError::InvalidConfig(m) => RegistryError::invalid_field(
             desc,
             name,
-            vec![(
-                String::new(),
-                format!("failed to merge the applied configuration: {m}"),
-                "FieldValueInvalid",
-            )],
+            "",
+            format!("failed to merge the applied configuration: {m}"),
+            "FieldValueInvalid",
         ),
-        FieldManagerError::CorruptManagedFields(_) => ApiError::internal(e.to_string()),
+        FieldManagerError::CorruptManagedFields(_) => RegistryError::Internal(e.to_string()),
     }
 }
 
@@ -482,21 +474,21 @@ fn apply_error(desc: &ResourceDescriptor, name: &str, e: FieldManagerError) -> A
 /// by field manager `manager`: creates the object when `current` is `None`, otherwise merges
 /// the configuration into it. Conflicts with other managers are a 409 unless `force`.
 pub fn decide_apply(
-    path: &ResourcePath,
+    path: &ResourceRef,
     name: &str,
     current: Option<Value>,
     config: Value,
     validation: &Validation,
     manager: &str,
     force: bool,
-) -> Result<(Mutation, Vec<String>), ApiError> {
+) -> Result<(Mutation, Vec<String>), RegistryError> {
     let desc = path.resource;
     let api_version = desc.api_version();
     let mut config = match config {
         Value::Null => Value::Object(Map::new()),
         c @ Value::Object(_) => c,
         _ => {
-            return Err(ApiError::bad_request(format!(
+            return Err(RegistryError::bad_request(format!(
                 "the request body must be a {} object",
                 desc.kind
             )));
@@ -508,7 +500,7 @@ pub fn decide_apply(
     let sent_version = config["apiVersion"].as_str().unwrap_or("");
     let sent_kind = config["kind"].as_str().unwrap_or("");
     if sent_version != api_version || sent_kind != desc.kind {
-        return Err(ApiError::bad_request(format!(
+        return Err(RegistryError::bad_request(format!(
             "invalid object type: {}",
             gvk_string(sent_version, sent_kind)
         )));
@@ -519,25 +511,27 @@ pub fn decide_apply(
         .entry("metadata")
         .or_insert_with(|| Value::Object(Map::new()));
     let Some(meta) = meta.as_object_mut() else {
-        return Err(ApiError::invalid(
+        return Err(RegistryError::invalid(
             desc,
             name,
-            vec![(
-                "metadata".into(),
-                "must be an object".into(),
+            vec![Cause::new(
+                "metadata",
+                "must be an object",
                 "FieldValueInvalid",
             )],
         ));
     };
     if meta.get("managedFields").is_some_and(|m| !m.is_null()) {
-        return Err(ApiError::bad_request("metadata.managedFields must be nil"));
+        return Err(RegistryError::bad_request(
+            "metadata.managedFields must be nil",
+        ));
     }
     match meta.get("name").and_then(Value::as_str).unwrap_or("") {
         "" if current.is_some() => {
             meta.insert("name".into(), json!(name));
         }
         body if body != name => {
-            return Err(ApiError::bad_request(format!(
+            return Err(RegistryError::bad_request(format!(
                 "the name of the object ({body}) does not match the name on the URL ({name})"
             )));
         }
@@ -548,7 +542,7 @@ pub fn decide_apply(
         meta.get("namespace").and_then(Value::as_str),
     ) {
         (Some(url), Some(body)) if !body.is_empty() && body != url => {
-            return Err(ApiError::bad_request(
+            return Err(RegistryError::bad_request(
                 "the namespace of the provided object does not match the namespace sent on the request",
             ));
         }
@@ -564,7 +558,7 @@ pub fn decide_apply(
     if current.is_none()
         && let Some(uid) = config["metadata"]["uid"].as_str().filter(|u| !u.is_empty())
     {
-        return Err(ApiError::conflict(
+        return Err(RegistryError::conflict(
             desc,
             name,
             &format!(
@@ -616,12 +610,12 @@ pub struct DeletePreconditions {
 }
 
 impl DeletePreconditions {
-    pub fn from_body(body: &Value) -> Result<Self, ApiError> {
+    pub fn from_body(body: &Value) -> Result<Self, RegistryError> {
         if body.is_null() {
             return Ok(Self::default());
         }
         if !body.is_object() {
-            return Err(ApiError::bad_request(
+            return Err(RegistryError::bad_request(
                 "the request body must be a DeleteOptions object",
             ));
         }
@@ -630,7 +624,7 @@ impl DeletePreconditions {
             Value::Array(a) if a.is_empty() => false,
             Value::Array(a) if a.len() == 1 && a[0] == "All" => true,
             other => {
-                return Err(ApiError::bad_request(format!(
+                return Err(RegistryError::bad_request(format!(
                     "dryRun: unsupported value {other} (supported: [\"All\"])"
                 )));
             }
@@ -638,7 +632,7 @@ impl DeletePreconditions {
         if let Some(p) = body["propagationPolicy"].as_str()
             && !matches!(p, "Orphan" | "Background" | "Foreground")
         {
-            return Err(ApiError::bad_request(format!(
+            return Err(RegistryError::bad_request(format!(
                 "propagationPolicy: unsupported value {p:?}"
             )));
         }
@@ -658,17 +652,17 @@ impl DeletePreconditions {
 
 /// Decides a delete: preconditions, then immediate removal or, with finalizers, marking.
 pub fn decide_delete(
-    desc: &ResourceDescriptor,
+    desc: &'static ResourceDescriptor,
     name: &str,
     current: Option<Value>,
     pre: &DeletePreconditions,
-) -> Result<Mutation, ApiError> {
-    let current = current.ok_or_else(|| ApiError::not_found(desc, name))?;
+) -> Result<Mutation, RegistryError> {
+    let current = current.ok_or_else(|| RegistryError::not_found(desc, name))?;
     let meta = &current["metadata"];
     if let Some(uid) = &pre.uid
         && meta["uid"].as_str() != Some(uid)
     {
-        return Err(ApiError::conflict(
+        return Err(RegistryError::conflict(
             desc,
             name,
             &format!(
@@ -680,7 +674,7 @@ pub fn decide_delete(
     if let Some(rv) = &pre.resource_version
         && meta["resourceVersion"].as_str() != Some(rv)
     {
-        return Err(ApiError::conflict(
+        return Err(RegistryError::conflict(
             desc,
             name,
             &format!(
@@ -705,7 +699,7 @@ pub fn decide_delete(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::request::parse_path;
+    use reports_server_crds::catalog;
 
     const V: Validation = Validation {
         mode: FieldValidation::Warn,
@@ -724,12 +718,14 @@ mod tests {
             duplicates: vec!["metadata.name".into()],
         };
         let err = prepare_create(&p, body.clone(), &strict).unwrap_err();
-        assert_eq!(err.code, 400);
+        assert_eq!(err.reason(), "BadRequest");
         assert!(
-            err.message.contains("unknown field \"summry\"")
-                && err.message.contains("duplicate field \"metadata.name\""),
+            err.to_string().contains("unknown field \"summry\"")
+                && err
+                    .to_string()
+                    .contains("duplicate field \"metadata.name\""),
             "{}",
-            err.message
+            err.to_string()
         );
         let ignore = Validation {
             mode: FieldValidation::Ignore,
@@ -738,8 +734,15 @@ mod tests {
         assert!(prepare_create(&p, body, &ignore).unwrap().2.is_empty());
     }
 
-    fn path(p: &str) -> ResourcePath {
-        parse_path(p).unwrap()
+    /// The collection a path after `/apis/` names (object names are passed separately).
+    fn path(p: &str) -> ResourceRef {
+        let segments: Vec<&str> = p.split('/').collect();
+        let (group, version, namespace, plural) = match segments.as_slice() {
+            [g, v, "namespaces", ns, plural, ..] => (*g, *v, *ns, *plural),
+            [g, v, plural, ..] => (*g, *v, "", *plural),
+            _ => panic!("{p}"),
+        };
+        ResourceRef::new(catalog::find(group, version, plural).unwrap(), namespace)
     }
 
     #[test]
@@ -764,20 +767,20 @@ mod tests {
         assert_eq!(
             prepare_create(&p, json!({"metadata": {}}), &V)
                 .unwrap_err()
-                .code,
-            422
+                .reason(),
+            "Invalid"
         );
         assert_eq!(
             prepare_create(&p, json!({"metadata": {"name": "Bad_Name"}}), &V)
                 .unwrap_err()
-                .code,
-            422
+                .reason(),
+            "Invalid"
         );
         assert_eq!(
             prepare_create(&p, json!({"kind": "Pod", "metadata": {"name": "x"}}), &V)
                 .unwrap_err()
-                .code,
-            400
+                .reason(),
+            "BadRequest"
         );
         assert_eq!(
             prepare_create(
@@ -786,8 +789,8 @@ mod tests {
                 &V
             )
             .unwrap_err()
-            .code,
-            400
+            .reason(),
+            "BadRequest"
         );
         let err = prepare_create(
             &p,
@@ -795,11 +798,8 @@ mod tests {
             &V,
         )
         .unwrap_err();
-        assert_eq!(err.code, 422);
-        assert_eq!(
-            err.details.unwrap()["causes"][0]["field"],
-            "results[0].result"
-        );
+        assert_eq!(err.reason(), "Invalid");
+        assert_eq!(err.causes()[0].field, "results[0].result");
     }
 
     #[test]
@@ -814,8 +814,8 @@ mod tests {
         assert_eq!(
             decide_update(&p, "x", Some(current.clone()), stale, &V)
                 .unwrap_err()
-                .code,
-            409
+                .reason(),
+            "Conflict"
         );
         // missing rv
         let mut norv = current.clone();
@@ -826,8 +826,8 @@ mod tests {
         assert_eq!(
             decide_update(&p, "x", Some(current.clone()), norv, &V)
                 .unwrap_err()
-                .code,
-            422
+                .reason(),
+            "Invalid"
         );
         // label-only change keeps generation
         let mut relabel = current.clone();
@@ -852,8 +852,10 @@ mod tests {
         ));
         // missing → 404
         assert_eq!(
-            decide_update(&p, "x", None, current, &V).unwrap_err().code,
-            404
+            decide_update(&p, "x", None, current, &V)
+                .unwrap_err()
+                .reason(),
+            "NotFound"
         );
     }
 
@@ -908,41 +910,44 @@ mod tests {
         wrong["kind"] = json!("ClusterPolicyReport");
         let e = apply(wrong);
         assert_eq!(
-            (e.code.as_u16(), e.message.as_str()),
+            (e.reason(), e.to_string()),
             (
-                400,
-                "invalid object type: wgpolicyk8s.io/v1alpha2, Kind=ClusterPolicyReport"
+                "BadRequest",
+                "invalid object type: wgpolicyk8s.io/v1alpha2, Kind=ClusterPolicyReport".to_owned()
             )
         );
         let e = apply(json!({"metadata": {"name": "x"}}));
-        assert_eq!(e.message, "invalid object type: /, Kind=");
+        assert_eq!(e.to_string(), "invalid object type: /, Kind=");
         let e = apply(apply_config(
             json!({"metadata": {"name": "x", "managedFields": []}}),
         ));
         assert_eq!(
-            (e.code.as_u16(), e.message.as_str()),
-            (400, "metadata.managedFields must be nil")
+            (e.reason(), e.to_string()),
+            (
+                "BadRequest",
+                "metadata.managedFields must be nil".to_owned()
+            )
         );
         let e = apply(apply_config(json!({"metadata": {"name": "y"}})));
         assert_eq!(
-            e.message,
+            e.to_string(),
             "the name of the object (y) does not match the name on the URL (x)"
         );
         let e = apply(apply_config(json!({"metadata": {}})));
-        assert_eq!(e.code.as_u16(), 400, "a create needs the name");
+        assert_eq!(e.reason(), "BadRequest", "a create needs the name");
         let e = apply(apply_config(
             json!({"metadata": {"name": "x", "namespace": "other"}}),
         ));
-        assert_eq!(e.code.as_u16(), 400);
+        assert_eq!(e.reason(), "BadRequest");
         let e = apply(apply_config(
             json!({"metadata": {"name": "x", "uid": "abc"}}),
         ));
-        assert_eq!(e.code.as_u16(), 409);
-        assert!(e.message.contains("uid mismatch"), "{}", e.message);
+        assert_eq!(e.reason(), "Conflict");
+        assert!(e.to_string().contains("uid mismatch"), "{}", e.to_string());
         let e = apply(apply_config(
             json!({"results": [{"policy": "p", "result": "maybe"}]}),
         ));
-        assert_eq!(e.code.as_u16(), 422);
+        assert_eq!(e.reason(), "Invalid");
         let strict = Validation {
             mode: FieldValidation::Strict,
             duplicates: Vec::new(),
@@ -958,8 +963,11 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(
-            (e.code.as_u16(), e.message.as_str()),
-            (400, "strict decoding error: unknown field \"summry\"")
+            (e.reason(), e.to_string()),
+            (
+                "BadRequest",
+                "strict decoding error: unknown field \"summry\"".to_owned()
+            )
         );
         let (_, warnings) = decide_apply(
             &p,
@@ -1013,16 +1021,12 @@ mod tests {
             false,
         )
         .unwrap_err();
-        assert_eq!((e.code.as_u16(), e.reason), (409, "Conflict"));
+        assert_eq!(e.reason(), "Conflict");
         assert_eq!(
-            e.message,
+            e.to_string(),
             "Apply failed with 1 conflict: conflict with \"a\": .summary.pass"
         );
-        let details = e.details.unwrap();
-        assert_eq!(
-            details["causes"][0],
-            json!({"reason": "FieldManagerConflict", "message": "conflict with \"a\"", "field": ".summary.pass"})
-        );
+        assert!(matches!(e, RegistryError::ApplyConflict { .. }), "{e:?}");
         // Forced: content change bumps the generation.
         let forced = stored(
             decide_apply(
@@ -1061,9 +1065,8 @@ mod tests {
         assert_eq!(
             decide_apply(&p, "x", Some(relabelled.clone()), stale, &V, "b", false)
                 .unwrap_err()
-                .code
-                .as_u16(),
-            409
+                .reason(),
+            "Conflict"
         );
         let fresh = apply_config(
             json!({"metadata": {"name": "x", "resourceVersion": "7"}, "summary": {"pass": 2}}),
@@ -1141,7 +1144,7 @@ mod tests {
 
     #[test]
     fn delete_with_finalizers_marks_then_removes() {
-        let desc = &reports_server_crds::catalog::POLICY_REPORT;
+        let desc = &catalog::POLICY_REPORT;
         let obj = json!({"metadata": {"name": "x", "uid": "u", "resourceVersion": "3", "finalizers": ["f"]}});
         let Mutation::Put(marked) =
             decide_delete(desc, "x", Some(obj.clone()), &Default::default()).unwrap()
@@ -1154,8 +1157,10 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            decide_delete(desc, "x", Some(obj), &pre).unwrap_err().code,
-            409
+            decide_delete(desc, "x", Some(obj), &pre)
+                .unwrap_err()
+                .reason(),
+            "Conflict"
         );
         let plain = json!({"metadata": {"name": "x"}});
         assert!(matches!(

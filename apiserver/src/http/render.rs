@@ -1,0 +1,232 @@
+//! Rendering of responses: an object or a list as the client negotiated it (the object,
+//! `Table`, `PartialObjectMetadata[List]`), encoded as JSON or YAML.
+
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use reports_server_crds::{ReportLayout, ResourceDescriptor};
+use serde_json::{Value, json};
+
+use super::negotiate::{Encoding, Negotiated, Representation, Target, negotiate};
+use super::request::Params;
+use super::status::ApiError;
+use super::table::{self, IncludeObject};
+use crate::registry::ListResult;
+use crate::store::{ListRow, parse_document_public};
+
+/// The representation and encoding the `Accept` header asks for.
+pub fn accept(headers: &HeaderMap, target: Target) -> Result<Negotiated, ApiError> {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    negotiate(accept, target).map_err(|_| ApiError::not_acceptable(accept.unwrap_or("")))
+}
+
+/// `includeObject` of a Table request.
+pub fn include_object(params: &Params) -> Result<IncludeObject, ApiError> {
+    match &params.include_object {
+        None => Ok(IncludeObject::default()),
+        Some(s) => IncludeObject::parse(s).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "includeObject: unsupported value {s:?} (None, Metadata, Object)"
+            ))
+        }),
+    }
+}
+
+fn now() -> i64 {
+    chrono::Utc::now().timestamp()
+}
+
+/// Encodes a response body in the negotiated encoding.
+pub fn encode(code: StatusCode, n: Negotiated, list: bool, body: &Value) -> Response {
+    let bytes = match n.encoding {
+        Encoding::Json => serde_json::to_vec(body).expect("JSON values serialize"),
+        Encoding::Yaml => serde_yaml::to_string(body)
+            .expect("JSON values serialize as YAML")
+            .into_bytes(),
+    };
+    let mut response = (code, bytes).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_str(&n.content_type(list)).expect("ASCII content type"),
+    );
+    response
+}
+
+/// One object in the negotiated representation.
+pub fn render_object(
+    resource: &'static ResourceDescriptor,
+    n: Negotiated,
+    include: IncludeObject,
+    object: &Value,
+) -> Value {
+    match n.representation {
+        Representation::Object | Representation::Discovery(_) => object.clone(),
+        Representation::Metadata(v) => table::partial_metadata(v, object["metadata"].clone()),
+        Representation::Table(v) => {
+            let rv = object["metadata"]["resourceVersion"].as_str().unwrap_or("");
+            table::table(
+                resource,
+                v,
+                vec![table::row(resource, object, include, v, now())],
+                rv,
+                None,
+            )
+        }
+    }
+}
+
+/// [`render_object`], encoded.
+pub fn object_response(
+    code: StatusCode,
+    resource: &'static ResourceDescriptor,
+    n: Negotiated,
+    include: IncludeObject,
+    object: &Value,
+) -> Response {
+    encode(code, n, false, &render_object(resource, n, include, object))
+}
+
+/// Adds `Warning: 299 - "…"` headers, as kube-apiserver does for field-validation warnings.
+pub fn with_warnings(mut response: Response, warnings: &[String]) -> Response {
+    for w in warnings {
+        let text = format!("299 - \"{}\"", w.replace('"', "\\\""));
+        if let Ok(v) = HeaderValue::from_str(&text) {
+            response.headers_mut().append("warning", v);
+        }
+    }
+    response
+}
+
+/// A partial object good enough for table cells: metadata plus the indexed columns.
+pub fn table_source(resource: &ResourceDescriptor, row: &ListRow) -> Result<Value, ApiError> {
+    let metadata: Value = serde_json::from_str(&row.metadata)
+        .map_err(|e| ApiError::internal(format!("stored metadata is corrupt: {e}")))?;
+    let [pass, fail, warn, error, skip] = row.summary;
+    let summary = json!({"pass": pass, "fail": fail, "warn": warn, "error": error, "skip": skip});
+    Ok(match resource.layout {
+        ReportLayout::TopLevel => json!({
+            "metadata": metadata,
+            "scope": {"kind": row.scope_kind, "name": row.scope_name},
+            "summary": summary,
+        }),
+        ReportLayout::Spec => {
+            json!({"metadata": metadata, "spec": {"summary": summary}})
+        }
+    })
+}
+
+/// A list page in the negotiated representation.
+pub fn list_response(
+    resource: &'static ResourceDescriptor,
+    n: Negotiated,
+    include: IncludeObject,
+    page: &ListResult,
+) -> Result<Response, ApiError> {
+    let rv_string = page.resource_version.to_string();
+    let mut metadata = json!({"resourceVersion": rv_string});
+    if let Some(c) = &page.continue_token {
+        metadata["continue"] = json!(c);
+    }
+    match n.representation {
+        Representation::Object | Representation::Discovery(_) if n.encoding == Encoding::Json => {
+            // Fast path: stored bodies are spliced in without decoding.
+            let mut out = String::with_capacity(
+                page.rows.iter().map(|r| r.body.len() + 1).sum::<usize>() + 256,
+            );
+            out.push_str(&format!(
+                "{{\"apiVersion\":\"{}\",\"items\":[",
+                resource.api_version()
+            ));
+            for (i, row) in page.rows.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&row.body);
+            }
+            out.push_str(&format!(
+                "],\"kind\":\"{}\",\"metadata\":{}}}",
+                resource.list_kind, metadata
+            ));
+            let mut response = (StatusCode::OK, out).into_response();
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            Ok(response)
+        }
+        Representation::Object | Representation::Discovery(_) => {
+            let items = page
+                .rows
+                .iter()
+                .map(|r| parse_document_public(&r.name, &r.body).map_err(ApiError::from))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(encode(
+                StatusCode::OK,
+                n,
+                true,
+                &json!({"apiVersion": resource.api_version(), "items": items, "kind": resource.list_kind, "metadata": metadata}),
+            ))
+        }
+        Representation::Metadata(v) => {
+            let items = page
+                .rows
+                .iter()
+                .map(|r| {
+                    serde_json::from_str::<Value>(&r.metadata)
+                        .map(|m| table::partial_metadata(v, m))
+                        .map_err(|e| ApiError::internal(format!("stored metadata is corrupt: {e}")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(encode(
+                StatusCode::OK,
+                n,
+                true,
+                &json!({"kind": "PartialObjectMetadataList", "apiVersion": format!("meta.k8s.io/{v}"), "metadata": metadata, "items": items}),
+            ))
+        }
+        Representation::Table(v) => {
+            let now = now();
+            let rows = page
+                .rows
+                .iter()
+                .map(|r| {
+                    let source = if include == IncludeObject::Object {
+                        parse_document_public(&r.name, &r.body)?
+                    } else {
+                        table_source(resource, r)?
+                    };
+                    Ok(table::row(resource, &source, include, v, now))
+                })
+                .collect::<Result<Vec<_>, ApiError>>()?;
+            Ok(encode(
+                StatusCode::OK,
+                n,
+                true,
+                &table::table(
+                    resource,
+                    v,
+                    rows,
+                    &rv_string,
+                    page.continue_token.as_deref(),
+                ),
+            ))
+        }
+    }
+}
+
+/// The items a deletecollection removed, as a list of objects.
+pub fn deleted_list_response(
+    resource: &'static ResourceDescriptor,
+    n: Negotiated,
+    items: Vec<Value>,
+    resource_version: i64,
+) -> Response {
+    encode(
+        StatusCode::OK,
+        Negotiated {
+            encoding: n.encoding,
+            representation: Representation::Object,
+        },
+        true,
+        &json!({"apiVersion": resource.api_version(), "items": items, "kind": resource.list_kind, "metadata": {"resourceVersion": resource_version.to_string()}}),
+    )
+}

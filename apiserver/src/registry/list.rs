@@ -1,0 +1,164 @@
+//! Lists: continue tokens bound to their query, and the `resourceVersion` rules of a list.
+//!
+//! The store serves the live table only, so `resourceVersionMatch=Exact` at anything but the
+//! current version is answered as after an etcd compaction (410), and a version from the future
+//! gets kube-apiserver's "Too large resource version" (504 with a retry hint).
+
+use crate::continuation::{ContinueToken, TokenError, query_fingerprint};
+use crate::selector::{FieldSelector, LabelSelector};
+use crate::store::{ListQuery, ListRow, Store};
+
+use super::{RegistryError, ResourceRef};
+
+/// What a list asks for, parsed and validated by the caller.
+#[derive(Clone, Debug, Default)]
+pub struct ListOptions {
+    pub labels: LabelSelector,
+    pub fields: FieldSelector,
+    pub limit: Option<u64>,
+    pub continue_token: Option<String>,
+    pub resource_version: Option<String>,
+    pub resource_version_match: Option<String>,
+}
+
+/// One page of a list.
+#[derive(Debug)]
+pub struct ListResult {
+    pub rows: Vec<ListRow>,
+    /// The list's resourceVersion: the snapshot of its first page.
+    pub resource_version: i64,
+    /// The token of the next page, when there is one.
+    pub continue_token: Option<String>,
+}
+
+/// The store query of a list, its fingerprint (what a continue token is bound to) and the
+/// decoded token.
+pub fn list_query(
+    r: &ResourceRef,
+    options: &ListOptions,
+    metadata_only: bool,
+) -> Result<(ListQuery, String, Option<ContinueToken>), RegistryError> {
+    let fingerprint = query_fingerprint(
+        &Store::resource_key(r.resource),
+        r.namespace.as_deref(),
+        &options.labels.to_string(),
+        &options.fields.to_string(),
+    );
+    let token = match &options.continue_token {
+        Some(t) => Some(ContinueToken::decode(t, &fingerprint).map_err(|e| match e {
+            TokenError::Malformed(_) | TokenError::QueryMismatch => {
+                RegistryError::bad_request(e.to_string())
+            }
+        })?),
+        None => None,
+    };
+    let query = ListQuery {
+        resource: r.resource,
+        namespace: r.namespace.clone(),
+        labels: options.labels.clone(),
+        fields: options.fields.clone(),
+        limit: options.limit,
+        after: token
+            .as_ref()
+            .map(|t| (t.namespace.clone(), t.name.clone())),
+        metadata_only,
+    };
+    Ok((query, fingerprint, token))
+}
+
+/// Checks a list's `resourceVersion`/`resourceVersionMatch` against what the store can serve.
+pub fn check_list_version(
+    options: &ListOptions,
+    current: i64,
+    compacted: i64,
+) -> Result<(), RegistryError> {
+    let Some(rv) = options.resource_version.as_deref() else {
+        if options.resource_version_match.is_some() {
+            return Err(RegistryError::bad_request(
+                "resourceVersionMatch is forbidden unless resourceVersion is provided",
+            ));
+        }
+        return Ok(());
+    };
+    let n: i64 = rv.parse().map_err(|_| {
+        RegistryError::bad_request(format!("resourceVersion: invalid value {rv:?}"))
+    })?;
+    if n > current {
+        return Err(RegistryError::ResourceVersionTooLarge {
+            requested: n,
+            current,
+        });
+    }
+    if options.resource_version_match.as_deref() == Some("Exact") && n != current {
+        return Err(RegistryError::gone(format!(
+            "The resourceVersion for the provided list is too old: {n} (current {current}, compacted {compacted})"
+        )));
+    }
+    Ok(())
+}
+
+/// The continue token of the page after `rows`, when the store said there are more.
+pub fn next_token(
+    more: bool,
+    rows: &[ListRow],
+    list_rv: i64,
+    fingerprint: String,
+) -> Option<String> {
+    match (more, rows.last()) {
+        (true, Some(last)) => Some(
+            ContinueToken {
+                resource_version: list_rv,
+                namespace: last.namespace.clone(),
+                name: last.name.clone(),
+                query: fingerprint,
+            }
+            .encode(),
+        ),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(rv: &str, m: Option<&str>) -> ListOptions {
+        ListOptions {
+            resource_version: Some(rv.to_owned()),
+            resource_version_match: m.map(str::to_owned),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn list_versions() {
+        assert!(check_list_version(&ListOptions::default(), 5, 1).is_ok());
+        assert!(check_list_version(&at("3", None), 5, 1).is_ok());
+        assert_eq!(
+            check_list_version(&at("9", None), 5, 1)
+                .unwrap_err()
+                .reason(),
+            "Timeout"
+        );
+        assert_eq!(
+            check_list_version(&at("3", Some("Exact")), 5, 1)
+                .unwrap_err()
+                .reason(),
+            "Expired"
+        );
+        assert_eq!(
+            check_list_version(&at("x", None), 5, 1)
+                .unwrap_err()
+                .reason(),
+            "BadRequest"
+        );
+        let bare_match = ListOptions {
+            resource_version_match: Some("Exact".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            check_list_version(&bare_match, 5, 1).unwrap_err().reason(),
+            "BadRequest"
+        );
+    }
+}

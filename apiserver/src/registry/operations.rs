@@ -1,0 +1,365 @@
+//! Each verb as one read-decide-write over the store: the rules in [`super::rules`] decide,
+//! inside the store's write transaction, what the request does to the current object.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use super::list::{check_list_version, list_query, next_token};
+use super::rules::{
+    DeletePreconditions, Validation, decide_apply, decide_delete, decide_update_as,
+    prepare_create_as,
+};
+use super::{Admission, ListOptions, ListResult, RegistryError, ResourceRef};
+use crate::store::{EventType, Mutation, Store, write_target};
+
+/// The object rules bound to a store and (behind kube-apiserver) an admission check.
+#[derive(Clone)]
+pub struct Registry {
+    store: Store,
+    admission: Option<Arc<dyn Admission>>,
+}
+
+/// How a write is made: on whose behalf, how strictly, and whether it is stored.
+#[derive(Clone, Debug)]
+pub struct WriteOptions {
+    pub dry_run: bool,
+    /// The field manager recorded in `managedFields`.
+    pub manager: String,
+    pub validation: Validation,
+}
+
+/// The result of a write: the object as stored (or as it would be, on a dry run).
+#[derive(Debug)]
+pub struct Written {
+    /// `Null` when the write deleted the object (an update removing the last finalizer).
+    pub object: Value,
+    /// `true` when the write created the object (server-side apply answers 201 then).
+    pub created: bool,
+    /// Field-validation warnings (`Warning` headers).
+    pub warnings: Vec<String>,
+}
+
+/// A patch body that is not server-side apply.
+pub enum Patch {
+    /// RFC 7386 JSON merge patch.
+    Merge(Value),
+    /// RFC 6902 JSON patch.
+    Json(json_patch::Patch),
+}
+
+/// Why an apply's decision did not produce a mutation.
+enum ApplyFailure {
+    Rejected(RegistryError),
+    /// The object is missing: a create, which must pass admission first.
+    NeedsAdmission,
+}
+
+impl From<crate::store::StoreError> for ApplyFailure {
+    fn from(e: crate::store::StoreError) -> Self {
+        ApplyFailure::Rejected(e.into())
+    }
+}
+
+impl Registry {
+    pub fn new(store: Store, admission: Option<Arc<dyn Admission>>) -> Self {
+        Registry { store, admission }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub async fn get(&self, r: &ResourceRef, name: &str) -> Result<Value, RegistryError> {
+        self.store
+            .get_object(r.resource, r.object_namespace(), name)
+            .await?
+            .ok_or_else(|| RegistryError::not_found(r.resource, name))
+    }
+
+    /// One page of a list. `metadata_only` reads no bodies (tables, metadata lists).
+    pub async fn list(
+        &self,
+        r: &ResourceRef,
+        options: &ListOptions,
+        metadata_only: bool,
+    ) -> Result<ListResult, RegistryError> {
+        let (query, fingerprint, token) = list_query(r, options, metadata_only)?;
+        let (current, compacted) = self.store.versions().await?;
+        check_list_version(options, current, compacted)?;
+        let page = self.store.list(&query).await?;
+        let resource_version = match &token {
+            Some(t) => t.resource_version,
+            None => page.resource_version,
+        };
+        let continue_token = next_token(page.more, &page.rows, resource_version, fingerprint);
+        Ok(ListResult {
+            rows: page.rows,
+            resource_version,
+            continue_token,
+        })
+    }
+
+    pub async fn create(
+        &self,
+        r: &ResourceRef,
+        object: Value,
+        options: &WriteOptions,
+    ) -> Result<Written, RegistryError> {
+        let (object, name, warnings) =
+            prepare_create_as(r, object, &options.validation, &options.manager)?;
+        if let (Some(admission), Some(namespace)) = (&self.admission, &r.namespace) {
+            admission.admit_create(namespace).await?;
+        }
+        let outcome = self
+            .store
+            .mutate(
+                r.resource,
+                r.object_namespace(),
+                &name,
+                options.dry_run,
+                |current| {
+                    if current.is_some() {
+                        return Err(RegistryError::already_exists(r.resource, &name));
+                    }
+                    Ok(Mutation::Put(object))
+                },
+            )
+            .await
+            .map_err(|e: RegistryError| {
+                // Two creates racing: the loser's insert hits the primary key.
+                if e.reason() == "AlreadyExists" {
+                    RegistryError::already_exists(r.resource, &name)
+                } else {
+                    e
+                }
+            })?;
+        Ok(Written {
+            object: outcome.object.unwrap_or(Value::Null),
+            created: true,
+            warnings,
+        })
+    }
+
+    pub async fn update(
+        &self,
+        r: &ResourceRef,
+        name: &str,
+        desired: Value,
+        options: &WriteOptions,
+    ) -> Result<Written, RegistryError> {
+        let mut warnings = Vec::new();
+        let outcome = self
+            .store
+            .mutate(
+                r.resource,
+                r.object_namespace(),
+                name,
+                options.dry_run,
+                |current| {
+                    let (mutation, _, w) = decide_update_as(
+                        r,
+                        name,
+                        current,
+                        desired,
+                        &options.validation,
+                        &options.manager,
+                    )?;
+                    warnings = w;
+                    Ok::<_, RegistryError>(mutation)
+                },
+            )
+            .await?;
+        Ok(Written {
+            object: outcome.object.unwrap_or(Value::Null),
+            created: false,
+            warnings,
+        })
+    }
+
+    pub async fn patch(
+        &self,
+        r: &ResourceRef,
+        name: &str,
+        patch: &Patch,
+        options: &WriteOptions,
+    ) -> Result<Written, RegistryError> {
+        let mut warnings = Vec::new();
+        let outcome = self
+            .store
+            .mutate(
+                r.resource,
+                r.object_namespace(),
+                name,
+                options.dry_run,
+                |current| {
+                    let current =
+                        current.ok_or_else(|| RegistryError::not_found(r.resource, name))?;
+                    let mut patched = current.clone();
+                    match patch {
+                        Patch::Json(p) => json_patch::patch(&mut patched, p).map_err(|e| {
+                            RegistryError::invalid_field(
+                                r.resource,
+                                name,
+                                "",
+                                format!("the JSON patch could not be applied: {e}"),
+                                "FieldValueInvalid",
+                            )
+                        })?,
+                        Patch::Merge(p) => json_patch::merge(&mut patched, p),
+                    }
+                    let (mutation, _, w) = decide_update_as(
+                        r,
+                        name,
+                        Some(current),
+                        patched,
+                        &options.validation,
+                        &options.manager,
+                    )?;
+                    warnings = w;
+                    Ok::<_, RegistryError>(mutation)
+                },
+            )
+            .await?;
+        Ok(Written {
+            object: outcome.object.unwrap_or(Value::Null),
+            created: false,
+            warnings,
+        })
+    }
+
+    /// Server-side apply: creates the object or merges the configuration into it.
+    pub async fn apply(
+        &self,
+        r: &ResourceRef,
+        name: &str,
+        config: Value,
+        force: bool,
+        options: &WriteOptions,
+    ) -> Result<Written, RegistryError> {
+        // Admission (NamespaceLifecycle) runs for creates only, and cannot run under the store's
+        // write lock: admit first when the object looks missing, and start over if it vanished
+        // between the look and the write.
+        let mut admitted = self.admission.is_none() || r.namespace.is_none();
+        let mut warnings = Vec::new();
+        let outcome = loop {
+            if !admitted && let (Some(admission), Some(namespace)) = (&self.admission, &r.namespace)
+            {
+                let exists = self
+                    .store
+                    .get_object(r.resource, r.object_namespace(), name)
+                    .await?
+                    .is_some();
+                if !exists {
+                    admission.admit_create(namespace).await?;
+                    admitted = true;
+                }
+            }
+            let result = self
+                .store
+                .mutate(
+                    r.resource,
+                    r.object_namespace(),
+                    name,
+                    options.dry_run,
+                    |current| {
+                        if current.is_none() && !admitted {
+                            return Err(ApplyFailure::NeedsAdmission);
+                        }
+                        let (mutation, w) = decide_apply(
+                            r,
+                            name,
+                            current,
+                            config.clone(),
+                            &options.validation,
+                            &options.manager,
+                            force,
+                        )
+                        .map_err(ApplyFailure::Rejected)?;
+                        warnings = w;
+                        Ok(mutation)
+                    },
+                )
+                .await;
+            match result {
+                Ok(outcome) => break outcome,
+                Err(ApplyFailure::Rejected(e)) => return Err(e),
+                Err(ApplyFailure::NeedsAdmission) => continue,
+            }
+        };
+        Ok(Written {
+            created: outcome.event == Some(EventType::Added),
+            object: outcome.object.unwrap_or(Value::Null),
+            warnings,
+        })
+    }
+
+    /// Deletes the object, or marks it for deletion while finalizers remain. Returns the
+    /// object as it was deleted or marked.
+    pub async fn delete(
+        &self,
+        r: &ResourceRef,
+        name: &str,
+        preconditions: &DeletePreconditions,
+    ) -> Result<Value, RegistryError> {
+        let outcome = self
+            .store
+            .mutate(
+                r.resource,
+                r.object_namespace(),
+                name,
+                preconditions.dry_run,
+                |current| decide_delete(r.resource, name, current, preconditions),
+            )
+            .await?;
+        Ok(outcome.object.unwrap_or(Value::Null))
+    }
+
+    /// Deletes every object the selectors match, in one transaction. Returns the objects
+    /// deleted or marked, and the store's resourceVersion after the write.
+    pub async fn delete_collection(
+        &self,
+        r: &ResourceRef,
+        selection: &ListOptions,
+        preconditions: &DeletePreconditions,
+    ) -> Result<(Vec<Value>, i64), RegistryError> {
+        if selection.continue_token.is_some() || selection.limit.is_some() {
+            return Err(RegistryError::bad_request(
+                "deletecollection does not support limit or continue",
+            ));
+        }
+        let (query, _, _) = list_query(r, selection, true)?;
+        let page = self.store.list(&query).await?;
+        let targets: Vec<write_target::Target<'_>> = page
+            .rows
+            .iter()
+            .map(|row| write_target::Target {
+                resource: r.resource,
+                namespace: &row.namespace,
+                name: &row.name,
+            })
+            .collect();
+        let each = DeletePreconditions {
+            dry_run: preconditions.dry_run,
+            ..Default::default()
+        };
+        let outcomes = self
+            .store
+            .mutate_batch(
+                &targets,
+                preconditions.dry_run,
+                |i, current| match current {
+                    // Deleted by someone else since the list: nothing to do.
+                    None => Ok(Mutation::Unchanged),
+                    Some(c) => decide_delete(r.resource, &page.rows[i].name, Some(c), &each),
+                },
+            )
+            .await?;
+        let items = outcomes
+            .into_iter()
+            .filter_map(|o| o.event.and(o.object))
+            .collect();
+        let (current, _) = self.store.versions().await?;
+        Ok((items, current))
+    }
+}

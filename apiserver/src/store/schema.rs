@@ -1,0 +1,106 @@
+//! Table and column identifiers of the store, in one place for the queries and the migrations.
+//!
+//! Migrations create and alter tables through these names; queries read and write through
+//! them. Renaming a table or column therefore takes a new migration that renames it, and the
+//! older migrations must keep creating the old name (give them a local identifier then).
+
+use sea_orm_migration::prelude::*;
+
+#[derive(DeriveIden)]
+pub enum Objects {
+    Table,
+    Id,
+    ClusterId,
+    Resource,
+    Namespace,
+    Name,
+    Uid,
+    ResourceVersion,
+    Generation,
+    CreatedAt,
+    DeletedAt,
+    OwnerUids,
+    SummaryPass,
+    SummaryFail,
+    SummaryWarn,
+    SummaryError,
+    SummarySkip,
+    ScopeKind,
+    ScopeNamespace,
+    ScopeName,
+    ScopeUid,
+    Metadata,
+    Body,
+}
+
+#[derive(DeriveIden)]
+pub enum ObjectLabels {
+    Table,
+    ObjectId,
+    Key,
+    Value,
+}
+
+#[derive(DeriveIden)]
+pub enum Changes {
+    Table,
+    ClusterId,
+    Rv,
+    Resource,
+    Namespace,
+    Name,
+    EventType,
+    Labels,
+    PrevLabels,
+    Body,
+    CreatedAt,
+}
+
+#[derive(DeriveIden)]
+pub enum StoreState {
+    Table,
+    ClusterId,
+    Rv,
+    CompactedRv,
+}
+
+#[derive(DeriveIden)]
+pub enum Results {
+    Table,
+    Id,
+    ObjectId,
+    ClusterId,
+    Resource,
+    Namespace,
+    ReportName,
+    Source,
+    Policy,
+    Rule,
+    Result,
+    Severity,
+    Category,
+    Scored,
+    SubjectApiVersion,
+    SubjectKind,
+    SubjectNamespace,
+    SubjectName,
+    SubjectUid,
+    Timestamp,
+    Message,
+    Properties,
+}
+
+#[derive(DeriveIden)]
+pub enum Leases {
+    Table,
+    /// Lease name, e.g. `aggregator/<cluster id>`.
+    Name,
+    /// Identity of the current holder; `""` when released.
+    Holder,
+    /// Holder's wall clock at the last acquire or renew, in Unix milliseconds. Strictly
+    /// increases while a holder renews, so observers can tell a live lease from a dead one.
+    RenewedAt,
+    /// `renewed_at` + lease duration (informational: takeover is decided on the observer's own
+    /// clock, see `store::lease`).
+    ExpiresAt,
+}

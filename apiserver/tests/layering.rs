@@ -1,0 +1,76 @@
+//! The layers of `apiserver` depend only downward (see `docs/architecture.md`):
+//! HTTP → registry → store, and the in-process report merger → registry → store. A
+//! `use` that points the other way fails here, with the file and line.
+
+use std::path::{Path, PathBuf};
+
+fn sources(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    if dir.is_file() {
+        files.push(dir.to_owned());
+        return files;
+    }
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.expect("directory entry").path();
+        if path.is_dir() {
+            files.extend(sources(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// Lines of the files under `layer` that mention any of `forbidden` outside comments.
+fn violations(layer: &str, forbidden: &[&str]) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut found = Vec::new();
+    for file in sources(&root.join(layer)) {
+        let text = std::fs::read_to_string(&file).expect("readable source");
+        for (number, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            for pattern in forbidden {
+                if code.contains(pattern) {
+                    found.push(format!(
+                        "{}:{}: {} (uses {pattern})",
+                        file.strip_prefix(&root).unwrap_or(&file).display(),
+                        number + 1,
+                        line.trim()
+                    ));
+                }
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn http_does_not_reach_into_the_report_merger() {
+    let found = violations(
+        "http",
+        &["crate::report_merge", "reports_server_aggregator"],
+    );
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+#[test]
+fn the_report_merger_and_the_registry_know_nothing_of_http() {
+    for layer in ["report_merge.rs", "registry"] {
+        let found = violations(layer, &["crate::http", "axum", "ApiError", "StatusCode"]);
+        assert!(found.is_empty(), "{}", found.join("\n"));
+    }
+}
+
+#[test]
+fn the_store_knows_nothing_above_it() {
+    let found = violations(
+        "store",
+        &[
+            "crate::http",
+            "crate::registry",
+            "crate::report_merge",
+            "axum",
+        ],
+    );
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
