@@ -699,19 +699,22 @@ mod tests {
     use crate::selector::LabelSelector;
     use crate::store::ListRow;
 
-    /// A change log and a table in memory; `compact_during_catch_up` moves the horizon the
-    /// moment the catch-up reads, as a compaction racing it would.
+    /// A change log and a table in memory; `compact_during_initial_events` moves the horizon
+    /// as soon as a page is read, as a compaction racing the initial events would.
     #[derive(Default)]
     struct FakeSource {
         rows: Vec<ListRow>,
         page_version: i64,
         changes: Vec<Change>,
         compacted: Mutex<i64>,
-        compact_during_catch_up: Option<i64>,
+        compact_during_initial_events: Option<i64>,
     }
 
     impl WatchSource for Arc<FakeSource> {
         async fn page(&self, _query: &ListQuery) -> Result<ListPage, StoreError> {
+            if let Some(horizon) = self.compact_during_initial_events {
+                *self.compacted.lock().unwrap() = horizon;
+            }
             Ok(ListPage {
                 rows: self.rows.clone(),
                 resource_version: self.page_version,
@@ -725,9 +728,6 @@ mod tests {
             up_to: i64,
             limit: u64,
         ) -> Result<Vec<Change>, StoreError> {
-            if let Some(horizon) = self.compact_during_catch_up {
-                *self.compacted.lock().unwrap() = horizon;
-            }
             Ok(self
                 .changes
                 .iter()
@@ -891,12 +891,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_compaction_racing_the_catch_up_ends_the_watch_with_410() {
+    async fn a_compaction_racing_the_initial_events_ends_the_watch_with_410() {
         let source = Arc::new(FakeSource {
             rows: vec![row("a", 3)],
             page_version: 5,
             changes: vec![change("a", 6, EventType::Modified, &[], Some(&[]))],
-            compact_during_catch_up: Some(6),
+            compact_during_initial_events: Some(6),
             ..Default::default()
         });
         let (live, _sender) = live(6, None);
