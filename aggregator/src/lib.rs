@@ -11,7 +11,10 @@
 //! * [`merge`]: the pure merge (no I/O), namespace-wide or page by page;
 //! * [`policy`]: the live policy set and Kyverno's autogen rule naming;
 //! * [`results`]: result identity, ordering and `omitempty` normalisation;
-//! * [`queue`]: the delayed per-namespace work queue;
+//! * [`queue`]: the delayed per-namespace work queue; [`sweep`]: enqueue every namespace a
+//!   backend names, retried until it worked;
+//! * [`election`]: one active aggregator at a time, over any [`election::LeaseStore`] (a
+//!   Kubernetes Lease, a SQL row);
 //! * [`backend`]: the storage trait the workers call; [`memory`]: an in-memory implementation;
 //! * [`aggregator`]: queue + backend + merge;
 //! * [`offline`]: YAML in, YAML out, for `reports-server aggregate`;
@@ -25,6 +28,7 @@ pub mod aggregator;
 pub mod backend;
 #[cfg(feature = "kube")]
 pub mod cluster;
+pub mod election;
 pub mod error;
 pub mod memory;
 pub mod merge;
@@ -34,6 +38,7 @@ pub mod policy;
 pub mod queue;
 pub mod report;
 pub mod results;
+pub mod sweep;
 
 pub use aggregator::{Aggregator, AggregatorConfig, ReconcileOutcome};
 pub use backend::{AggregationBackend, BackendError, InputPage, PageRequest};

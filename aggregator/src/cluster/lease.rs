@@ -1,4 +1,5 @@
-//! One active aggregator per cluster: a `coordination.k8s.io/v1` Lease.
+//! One active aggregator per cluster: a `coordination.k8s.io/v1` Lease as the
+//! [`LeaseStore`] of the shared election loop ([`crate::election`], where the rules are).
 //!
 //! The rules are client-go's leader election, with timings chosen for a fast takeover:
 //!
@@ -14,8 +15,12 @@
 //! before anyone else may start. Two aggregators overlapping anyway (a paused process, say) are
 //! still safe: every write carries a resourceVersion precondition, so the loser of a race gets
 //! a 409 and re-merges.
+//!
+//! What is Lease-specific lives here: the compare-and-swap is a `replace` carrying the
+//! resourceVersion that was read (409 = someone wrote first), `acquireTime` and
+//! `leaseTransitions` are kept as client-go keeps them, and the record declares its own
+//! `leaseDurationSeconds`, which candidates honour.
 
-use std::future::Future;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -23,10 +28,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use super::resources::is_conflict;
+use crate::election::{ElectionTiming, Elector, LeaseSnapshot, LeaseStore};
 
 /// Default Lease name.
 pub const DEFAULT_NAME: &str = "reports-server-aggregator";
@@ -52,14 +56,25 @@ impl LeaseConfig {
         name: impl Into<String>,
         identity: impl Into<String>,
     ) -> Self {
+        let timing = ElectionTiming::default();
         LeaseConfig {
             namespace: namespace.into(),
             name: name.into(),
             identity: identity.into(),
-            duration: Duration::from_secs(15),
-            renew_interval: Duration::from_secs(5),
-            renew_deadline: Duration::from_secs(10),
-            retry_interval: Duration::from_secs(2),
+            duration: timing.duration,
+            renew_interval: timing.renew_interval,
+            renew_deadline: timing.renew_deadline,
+            retry_interval: timing.retry_interval,
+        }
+    }
+
+    /// The election timing these settings describe.
+    pub fn timing(&self) -> ElectionTiming {
+        ElectionTiming {
+            duration: self.duration,
+            renew_interval: self.renew_interval,
+            renew_deadline: self.renew_deadline,
+            retry_interval: self.retry_interval,
         }
     }
 }
@@ -76,54 +91,73 @@ pub fn default_identity() -> String {
     format!("{host}_{}_{nanos:08x}", std::process::id())
 }
 
-/// Whether a candidate `me` may take a Lease whose record it has seen unchanged for
-/// `unchanged_for` (the pure part of the election).
-pub fn takeable(
-    spec: Option<&LeaseSpec>,
-    me: &str,
-    unchanged_for: Duration,
-    default_duration: Duration,
-) -> bool {
-    let holder = spec
-        .and_then(|s| s.holder_identity.as_deref())
-        .unwrap_or_default();
-    if holder.is_empty() || holder == me {
-        return true;
-    }
-    let duration = spec
-        .and_then(|s| s.lease_duration_seconds)
-        .and_then(|s| u64::try_from(s).ok())
-        .map_or(default_duration, Duration::from_secs);
-    unchanged_for >= duration
+/// The election over the Lease `config` names.
+pub fn elector(client: Client, config: &LeaseConfig) -> Elector<KubeLease> {
+    Elector::new(KubeLease::new(client, config), config.timing())
 }
 
 fn now() -> MicroTime {
     MicroTime(Timestamp::now())
 }
 
-/// Leader election on one Lease.
-pub struct Elector {
-    api: Api<Lease>,
-    config: LeaseConfig,
+impl LeaseSnapshot for Lease {
+    fn holder(&self) -> &str {
+        self.spec
+            .as_ref()
+            .and_then(|s| s.holder_identity.as_deref())
+            .unwrap_or_default()
+    }
+
+    fn declared_duration(&self) -> Option<Duration> {
+        self.spec
+            .as_ref()
+            .and_then(|s| s.lease_duration_seconds)
+            .and_then(|s| u64::try_from(s).ok())
+            .map(Duration::from_secs)
+    }
+
+    fn same_write(&self, other: &Self) -> bool {
+        self.metadata
+            .resource_version
+            .as_deref()
+            .unwrap_or_default()
+            == other
+                .metadata
+                .resource_version
+                .as_deref()
+                .unwrap_or_default()
+    }
 }
 
-/// The record a candidate saw last, and since when (on its own clock).
-type Observed = Option<(String, Instant)>;
+/// One Lease, as the [`LeaseStore`] of this process.
+pub struct KubeLease {
+    api: Api<Lease>,
+    namespace: String,
+    name: String,
+    identity: String,
+    /// `namespace/name`, for log lines.
+    qualified_name: String,
+}
 
-impl Elector {
-    pub fn new(client: Client, config: LeaseConfig) -> Self {
-        Elector {
+impl KubeLease {
+    pub fn new(client: Client, config: &LeaseConfig) -> Self {
+        KubeLease {
             api: Api::namespaced(client, &config.namespace),
-            config,
+            namespace: config.namespace.clone(),
+            name: config.name.clone(),
+            identity: config.identity.clone(),
+            qualified_name: format!("{}/{}", config.namespace, config.name),
         }
     }
 
-    pub fn config(&self) -> &LeaseConfig {
-        &self.config
+    fn holds(&self, lease: &Lease) -> bool {
+        lease.holder() == self.identity
     }
 
-    fn spec(&self, previous: Option<&LeaseSpec>) -> LeaseSpec {
-        let me = &self.config.identity;
+    /// The spec this process writes over `previous` (client-go's bookkeeping: `acquireTime`
+    /// and `leaseTransitions` change only when the holder does).
+    fn spec(&self, previous: Option<&LeaseSpec>, duration: Duration) -> LeaseSpec {
+        let me = &self.identity;
         let same_holder = previous.and_then(|s| s.holder_identity.as_deref()) == Some(me.as_str());
         let transitions = previous.and_then(|s| s.lease_transitions).unwrap_or(0);
         let had_holder = previous
@@ -132,7 +166,7 @@ impl Elector {
         LeaseSpec {
             holder_identity: Some(me.clone()),
             lease_duration_seconds: Some(
-                i32::try_from(self.config.duration.as_secs().max(1)).unwrap_or(i32::MAX),
+                i32::try_from(duration.as_secs().max(1)).unwrap_or(i32::MAX),
             ),
             acquire_time: if same_holder {
                 previous.and_then(|s| s.acquire_time.clone())
@@ -149,17 +183,49 @@ impl Elector {
         }
     }
 
-    /// One acquisition attempt: `Some(lease)` when this process holds it now.
-    async fn try_acquire(&self, observed: &mut Observed) -> Result<Option<Lease>, kube::Error> {
-        let name = &self.config.name;
-        let Some(current) = self.api.get_opt(name).await? else {
+    /// Writes `lease` if its resourceVersion is still current: `Ok(None)` on 409.
+    async fn replace_if_unchanged(&self, lease: &Lease) -> Result<Option<Lease>, kube::Error> {
+        match self
+            .api
+            .replace(&self.name, &PostParams::default(), lease)
+            .await
+        {
+            Ok(written) => Ok(Some(written)),
+            Err(e) if is_conflict(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl LeaseStore for KubeLease {
+    type Snapshot = Lease;
+    type Error = kube::Error;
+
+    fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    fn lease_name(&self) -> &str {
+        &self.qualified_name
+    }
+
+    async fn read(&self) -> Result<Option<Lease>, kube::Error> {
+        self.api.get_opt(&self.name).await
+    }
+
+    async fn acquire(
+        &self,
+        observed: Option<&Lease>,
+        duration: Duration,
+    ) -> Result<Option<Lease>, kube::Error> {
+        let Some(current) = observed else {
             let lease = Lease {
                 metadata: ObjectMeta {
-                    name: Some(name.clone()),
-                    namespace: Some(self.config.namespace.clone()),
+                    name: Some(self.name.clone()),
+                    namespace: Some(self.namespace.clone()),
                     ..ObjectMeta::default()
                 },
-                spec: Some(self.spec(None)),
+                spec: Some(self.spec(None, duration)),
             };
             return match self.api.create(&PostParams::default(), &lease).await {
                 Ok(lease) => Ok(Some(lease)),
@@ -167,208 +233,48 @@ impl Elector {
                 Err(e) => Err(e),
             };
         };
-        let rv = current
-            .metadata
-            .resource_version
-            .clone()
-            .unwrap_or_default();
-        let unchanged_for = match observed {
-            Some((seen, since)) if *seen == rv => since.elapsed(),
-            _ => {
-                *observed = Some((rv, Instant::now()));
-                Duration::ZERO
-            }
-        };
-        let spec = current.spec.as_ref();
-        if !takeable(
-            spec,
-            &self.config.identity,
-            unchanged_for,
-            self.config.duration,
-        ) {
-            return Ok(None);
-        }
-        let previous = spec
-            .and_then(|s| s.holder_identity.as_deref())
-            .unwrap_or_default();
-        if !previous.is_empty() && previous != self.config.identity {
-            tracing::info!(previous, "aggregation lease expired; taking over");
-        }
         let mut lease = current.clone();
-        lease.spec = Some(self.spec(spec));
-        match self.api.replace(name, &PostParams::default(), &lease).await {
-            Ok(lease) => Ok(Some(lease)),
-            Err(e) if is_conflict(&e) => Ok(None),
-            Err(e) => Err(e),
-        }
+        lease.spec = Some(self.spec(current.spec.as_ref(), duration));
+        self.replace_if_unchanged(&lease).await
     }
 
-    /// Waits until this process holds the Lease; `None` when `cancel` fired first.
-    pub async fn acquire(&self, cancel: &CancellationToken) -> Option<Lease> {
-        let mut observed: Observed = None;
-        let mut failing = false;
-        loop {
-            match self.try_acquire(&mut observed).await {
-                Ok(Some(lease)) => return Some(lease),
-                Ok(None) => failing = false,
-                Err(e) => {
-                    if !failing {
-                        tracing::warn!(error = %e, lease = %self.config.name, namespace = %self.config.namespace, "cannot read or write the aggregation lease; retrying");
-                    }
-                    failing = true;
-                }
-            }
-            tokio::select! {
-                _ = cancel.cancelled() => return None,
-                _ = tokio::time::sleep(self.config.retry_interval) => {}
-            }
-        }
-    }
-
-    /// Renews a held Lease: `Ok(Some)` renewed, `Ok(None)` lost to another holder.
-    pub async fn renew(&self, lease: &Lease) -> Result<Option<Lease>, kube::Error> {
-        let mut current = lease.clone();
+    async fn renew(&self, held: &Lease, duration: Duration) -> Result<Option<Lease>, kube::Error> {
+        let mut current = held.clone();
         for _ in 0..2 {
-            let spec = current.spec.clone();
-            let mine = spec.as_ref().and_then(|s| s.holder_identity.as_deref())
-                == Some(self.config.identity.as_str());
-            if !mine {
+            if !self.holds(&current) {
                 return Ok(None);
             }
-            current.spec = Some(self.spec(spec.as_ref()));
-            match self
-                .api
-                .replace(&self.config.name, &PostParams::default(), &current)
-                .await
-            {
-                Ok(renewed) => return Ok(Some(renewed)),
-                // Someone wrote the Lease (or an earlier renewal of ours landed after a timeout):
-                // re-read and look at the holder again.
-                Err(e) if is_conflict(&e) => match self.api.get_opt(&self.config.name).await? {
-                    Some(fresh) => current = fresh,
-                    None => return Ok(None),
-                },
-                Err(e) => return Err(e),
+            let mut renewal = current.clone();
+            renewal.spec = Some(self.spec(current.spec.as_ref(), duration));
+            if let Some(renewed) = self.replace_if_unchanged(&renewal).await? {
+                return Ok(Some(renewed));
+            }
+            // Someone wrote the Lease (or an earlier renewal of ours landed after a timeout):
+            // re-read and look at the holder again.
+            match self.api.get_opt(&self.name).await? {
+                Some(fresh) => current = fresh,
+                None => return Ok(None),
             }
         }
         Ok(None)
     }
 
-    /// Hands the Lease back (empty holder) so that a standby takes over at once.
-    pub async fn release(&self, lease: &Lease) -> Result<(), kube::Error> {
-        let mut current = match self.api.get_opt(&self.config.name).await? {
-            Some(current) => current,
-            None => return Ok(()),
+    async fn release(&self, held: &Lease) -> Result<(), kube::Error> {
+        let Some(mut current) = self.api.get_opt(&self.name).await? else {
+            return Ok(());
         };
-        let mine = current
-            .spec
-            .as_ref()
-            .and_then(|s| s.holder_identity.as_deref())
-            == Some(self.config.identity.as_str());
-        if !mine {
+        if !self.holds(&current) {
             return Ok(());
         }
-        let transitions = lease.spec.as_ref().and_then(|s| s.lease_transitions);
         current.spec = Some(LeaseSpec {
             holder_identity: None,
             lease_duration_seconds: Some(1),
             renew_time: Some(now()),
             acquire_time: Some(now()),
-            lease_transitions: transitions,
+            lease_transitions: held.spec.as_ref().and_then(|s| s.lease_transitions),
             ..LeaseSpec::default()
         });
-        match self
-            .api
-            .replace(&self.config.name, &PostParams::default(), &current)
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(e) if is_conflict(&e) => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Runs `work` whenever this process holds the Lease, until `cancel` fires. `work` gets a
-    /// token that is cancelled when the Lease is lost; it is then awaited (it must stop
-    /// promptly) and the election starts again. `leading` is told about every change.
-    pub async fn run<F, Fut>(&self, cancel: CancellationToken, work: F, leading: impl Fn(bool))
-    where
-        F: Fn(CancellationToken) -> Fut,
-        Fut: Future<Output = ()>,
-    {
-        tracing::info!(identity = %self.config.identity, lease = %self.config.name, namespace = %self.config.namespace, "waiting for the aggregation lease");
-        while !cancel.is_cancelled() {
-            let acquired = Instant::now();
-            let Some(mut lease) = self.acquire(&cancel).await else {
-                break;
-            };
-            tracing::info!(identity = %self.config.identity, "aggregation lease acquired; aggregating");
-            leading(true);
-            let term = cancel.child_token();
-            let task = work(term.clone());
-            tokio::pin!(task);
-            let mut finished = false;
-            let mut lost = false;
-            let mut last_renewed = acquired;
-            let mut wait = self.config.renew_interval;
-            loop {
-                tokio::select! {
-                    _ = term.cancelled() => break,
-                    _ = &mut task => {
-                        finished = true;
-                        break;
-                    }
-                    _ = tokio::time::sleep(wait) => {
-                        let started = Instant::now();
-                        let budget = self.config.renew_deadline.saturating_sub(last_renewed.elapsed());
-                        match tokio::time::timeout(budget, self.renew(&lease)).await {
-                            Ok(Ok(Some(renewed))) => {
-                                lease = renewed;
-                                last_renewed = started;
-                                wait = self.config.renew_interval;
-                            }
-                            Ok(Ok(None)) => {
-                                tracing::warn!("aggregation lease taken over by another process; stopping");
-                                lost = true;
-                                break;
-                            }
-                            Ok(Err(e)) if last_renewed.elapsed() < self.config.renew_deadline => {
-                                tracing::warn!(error = %e, "cannot renew the aggregation lease; retrying");
-                                wait = self.config.retry_interval;
-                            }
-                            Ok(Err(_)) | Err(_) => {
-                                tracing::warn!("aggregation lease not renewed before the deadline; stopping");
-                                lost = true;
-                                break;
-                            }
-                        }
-                    }
-                }
-            }
-            term.cancel();
-            if !finished {
-                task.await;
-            }
-            leading(false);
-            if !lost {
-                match tokio::time::timeout(Duration::from_secs(5), self.release(&lease)).await {
-                    Ok(Ok(())) => tracing::info!("aggregation lease released"),
-                    Ok(Err(e)) => {
-                        tracing::warn!(error = %e, "cannot release the aggregation lease; it will expire")
-                    }
-                    Err(_) => {
-                        tracing::warn!("releasing the aggregation lease timed out; it will expire")
-                    }
-                }
-            }
-            if finished && !cancel.is_cancelled() {
-                // The work ended on its own (a fatal error it logged); do not spin.
-                tokio::select! {
-                    _ = cancel.cancelled() => {}
-                    _ = tokio::time::sleep(self.config.retry_interval) => {}
-                }
-            }
-        }
+        self.replace_if_unchanged(&current).await.map(drop)
     }
 }
 
@@ -376,53 +282,38 @@ impl Elector {
 mod tests {
     use super::*;
 
-    fn spec(holder: Option<&str>, seconds: Option<i32>) -> LeaseSpec {
-        LeaseSpec {
-            holder_identity: holder.map(str::to_owned),
-            lease_duration_seconds: seconds,
-            ..LeaseSpec::default()
+    fn lease(holder: Option<&str>, seconds: Option<i32>, version: &str) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                resource_version: Some(version.into()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: holder.map(str::to_owned),
+                lease_duration_seconds: seconds,
+                ..LeaseSpec::default()
+            }),
         }
     }
 
     #[test]
-    fn takeover_rules() {
-        let d = Duration::from_secs(15);
-        // Free, released or our own: take it.
-        assert!(takeable(None, "me", Duration::ZERO, d));
-        assert!(takeable(
-            Some(&spec(None, Some(15))),
-            "me",
-            Duration::ZERO,
-            d
-        ));
-        assert!(takeable(
-            Some(&spec(Some(""), Some(15))),
-            "me",
-            Duration::ZERO,
-            d
-        ));
-        assert!(takeable(
-            Some(&spec(Some("me"), Some(15))),
-            "me",
-            Duration::ZERO,
-            d
-        ));
-        // Someone else's: only once unchanged for the lease's own duration.
-        let other = spec(Some("other"), Some(15));
-        assert!(!takeable(Some(&other), "me", Duration::from_secs(14), d));
-        assert!(takeable(Some(&other), "me", Duration::from_secs(15), d));
-        let short = spec(Some("other"), Some(3));
-        assert!(takeable(Some(&short), "me", Duration::from_secs(3), d));
-        // No duration in the record: ours.
-        let none = spec(Some("other"), None);
-        assert!(!takeable(Some(&none), "me", Duration::from_secs(10), d));
-        assert!(takeable(Some(&none), "me", Duration::from_secs(15), d));
+    fn a_lease_reads_as_a_snapshot() {
+        let held = lease(Some("other"), Some(15), "7");
+        assert_eq!(held.holder(), "other");
+        assert_eq!(held.declared_duration(), Some(Duration::from_secs(15)));
+        // Released or never held: no holder. A nonsensical duration is no declaration.
+        assert_eq!(lease(None, Some(-1), "7").holder(), "");
+        assert_eq!(lease(Some(""), None, "7").holder(), "");
+        assert_eq!(lease(None, Some(-1), "7").declared_duration(), None);
+        assert_eq!(Lease::default().holder(), "");
+        // The resourceVersion alone tells writes apart.
+        assert!(held.same_write(&lease(Some("other"), Some(15), "7")));
+        assert!(!held.same_write(&lease(Some("other"), Some(15), "8")));
     }
 
     #[test]
-    fn renewal_stops_before_anyone_may_take_over() {
+    fn config_timing_is_the_election_default() {
         let c = LeaseConfig::new("ns", DEFAULT_NAME, "me");
-        assert!(c.renew_interval < c.renew_deadline);
-        assert!(c.renew_deadline < c.duration);
+        assert_eq!(c.timing(), ElectionTiming::default());
     }
 }

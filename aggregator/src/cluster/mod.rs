@@ -11,7 +11,8 @@
 //!   a pure decision function and its I/O;
 //! * [`policies`]: the live [`PolicySet`](crate::PolicySet), from watches on every policy kind
 //!   the cluster serves;
-//! * [`lease`]: one active aggregator per cluster, a `coordination.k8s.io/v1` Lease;
+//! * [`lease`]: one active aggregator per cluster, a `coordination.k8s.io/v1` Lease as the
+//!   store of the election loop both backends share ([`crate::election`]);
 //! * [`runner`]: everything together — watches that enqueue namespaces, the workers, the
 //!   metrics endpoint.
 //!

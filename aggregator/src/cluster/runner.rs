@@ -18,14 +18,16 @@ use tokio_util::sync::CancellationToken;
 use super::adoption::{Adopter, AdoptionConfig, ApiEphemeralReports};
 use super::backend::{KubeBackend, KubeBackendConfig};
 use super::discovery::{DEFAULT_TTL, DiscoveryCache, Target};
-use super::lease::{Elector, LeaseConfig};
+use super::lease::{self, LeaseConfig};
 use super::metrics::ClusterMetrics;
 use super::policies::{DEFAULT_REDISCOVERY, PolicyWatcher, next_change};
 use super::resources::{api_resource, list_metadata_all};
 use super::{ClusterError, http};
 use crate::aggregator::{Aggregator, AggregatorConfig};
 use crate::metrics::Metrics;
+use crate::queue::WorkQueue;
 use crate::report::{LABEL_MANAGED_BY, MANAGED_BY_VALUE, ReportKind};
+use crate::sweep::sweep_namespaces;
 
 /// How long a new leader waits for the initial policy lists before aggregating anyway (kinds
 /// still not listed then are unknown: none of their results is dropped).
@@ -141,7 +143,7 @@ impl ClusterAggregator {
         if let Some(address) = self.serve_metrics(&cancel).await? {
             tracing::info!(%address, "serving /metrics and /healthz");
         }
-        let elector = Elector::new(self.client.clone(), self.config.lease.clone());
+        let elector = lease::elector(self.client.clone(), &self.config.lease);
         let leader = self.cluster_metrics.leader.clone();
         elector
             .run(
@@ -235,29 +237,10 @@ impl ClusterAggregator {
     /// Enqueues every namespace with managed reports (the ephemeral watches' initial lists
     /// enqueue those with ephemeral reports); retries until it worked or `term` fires.
     async fn enqueue_all(&self, aggregator: &Aggregator<KubeBackend>, term: &CancellationToken) {
-        let mut delay = Duration::from_millis(500);
-        loop {
-            match self.namespaces_with_reports().await {
-                Ok(namespaces) => {
-                    tracing::debug!(
-                        count = namespaces.len(),
-                        "enqueued every namespace with policy reports"
-                    );
-                    for ns in namespaces {
-                        aggregator.enqueue(&ns);
-                    }
-                    return;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot list policy reports to enqueue their namespaces; retrying")
-                }
-            }
-            tokio::select! {
-                _ = term.cancelled() => return,
-                _ = tokio::time::sleep(delay) => {}
-            }
-            delay = (delay * 2).min(Duration::from_secs(30));
-        }
+        sweep_namespaces(aggregator.queue(), term, "with policy reports", || {
+            self.namespaces_with_reports()
+        })
+        .await;
     }
 
     async fn follow_policies(
@@ -280,41 +263,59 @@ impl ClusterAggregator {
         aggregator: &Aggregator<KubeBackend>,
         term: &CancellationToken,
     ) {
-        let watch_kind = |kind: ReportKind| {
-            // kube ≥ 5 sends metadata-only requests (PartialObjectMetadata lists and watches)
-            // for an `Api<PartialObjectMeta<K>>`: report bodies never cross the wire here.
-            let api: Api<PartialObjectMeta<DynamicObject>> =
-                Api::all_with(self.client.clone(), &api_resource(kind));
-            async move {
-                let mut events = watcher::watcher(api, watcher::Config::default())
-                    .default_backoff()
-                    .boxed();
-                let mut failing = false;
-                loop {
-                    let event = tokio::select! {
-                        _ = term.cancelled() => return,
-                        event = events.next() => event,
-                    };
-                    match event {
-                        None => return,
-                        Some(Ok(Event::Apply(o) | Event::InitApply(o))) => {
-                            failing = false;
-                            aggregator.enqueue(o.metadata.namespace.as_deref().unwrap_or_default());
-                        }
-                        Some(Ok(_)) => failing = false,
-                        Some(Err(e)) => {
-                            if !failing {
-                                tracing::warn!(%kind, error = %e, "cannot watch ephemeral reports; retrying");
-                            }
-                            failing = true;
-                        }
-                    }
-                }
-            }
-        };
+        let queue = aggregator.queue();
         tokio::join!(
-            watch_kind(ReportKind::EphemeralReport),
-            watch_kind(ReportKind::ClusterEphemeralReport)
+            enqueue_changed_namespaces(&self.client, ReportKind::EphemeralReport, queue, term),
+            enqueue_changed_namespaces(
+                &self.client,
+                ReportKind::ClusterEphemeralReport,
+                queue,
+                term
+            )
         );
+    }
+}
+
+/// Watches `kind` until `term` fires and enqueues the namespace (`""` for cluster scope) of
+/// every object listed, added or modified; deletions are ignored (see the module docs of
+/// `cluster`).
+///
+/// Only the namespace of an object matters here, so the lists and watches ask for
+/// `PartialObjectMetadata` and report bodies (their results are most of their size) never cross
+/// the wire. With kube ≥ 5 that is a plain `watcher` over an `Api<PartialObjectMeta<_>>`: the
+/// type makes every request metadata-only, and `kube::runtime::metadata_watcher` is deprecated
+/// in its favour (it sends the same requests). `tests/cluster_api.rs` checks the `Accept`
+/// headers.
+pub async fn enqueue_changed_namespaces(
+    client: &Client,
+    kind: ReportKind,
+    queue: &WorkQueue,
+    term: &CancellationToken,
+) {
+    let api: Api<PartialObjectMeta<DynamicObject>> =
+        Api::all_with(client.clone(), &api_resource(kind));
+    let mut events = watcher::watcher(api, watcher::Config::default())
+        .default_backoff()
+        .boxed();
+    let mut failing = false;
+    loop {
+        let event = tokio::select! {
+            _ = term.cancelled() => return,
+            event = events.next() => event,
+        };
+        match event {
+            None => return,
+            Some(Ok(Event::Apply(o) | Event::InitApply(o))) => {
+                failing = false;
+                queue.enqueue(o.metadata.namespace.unwrap_or_default());
+            }
+            Some(Ok(_)) => failing = false,
+            Some(Err(e)) => {
+                if !failing {
+                    tracing::warn!(%kind, error = %e, "cannot watch ephemeral reports; retrying");
+                }
+                failing = true;
+            }
+        }
     }
 }

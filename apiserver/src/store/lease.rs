@@ -16,11 +16,14 @@
 //! * a holder that shuts down releases the row (`holder = ''`), which a candidate may take at
 //!   once: handover on a rolling update costs one retry interval, not a lease duration.
 //!
-//! The policy (when to renew, when to give up) lives with the caller; these are the primitive
-//! row operations.
+//! The policy (when to take over, renew, give up, release) is the aggregator's election loop,
+//! shared with the cluster backend's Kubernetes Lease (`reports_server_aggregator::election`);
+//! these are the primitive row operations, and [`StoreLease`] is the one lease row as that
+//! loop's `LeaseStore`.
 
 use std::time::Duration;
 
+use reports_server_aggregator::election::{LeaseSnapshot, LeaseStore};
 use sea_orm::ConnectionTrait;
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict, Query};
 
@@ -193,5 +196,89 @@ impl Store {
             )
             .await?;
         Ok(result.rows_affected() == 1)
+    }
+}
+
+impl LeaseSnapshot for LeaseRecord {
+    fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// None: a candidate waits for its own configured duration. `expires_at - renewed_at` is
+    /// the holder's duration, but replicas of one installation share their configuration, and
+    /// the row's timestamps are another machine's clock, which the rules never compare with
+    /// ours.
+    fn declared_duration(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Every write changes `renewed_at` (strictly increasing) or the holder, so the whole row
+    /// identifies a write.
+    fn same_write(&self, other: &Self) -> bool {
+        self == other
+    }
+}
+
+/// The lease row `name` as seen by the process `holder`: the store of the aggregator's
+/// election loop (`reports_server_aggregator::election::Elector`).
+#[derive(Clone)]
+pub struct StoreLease {
+    store: Store,
+    name: String,
+    holder: String,
+}
+
+impl StoreLease {
+    pub fn new(store: Store, name: impl Into<String>, holder: impl Into<String>) -> Self {
+        StoreLease {
+            store,
+            name: name.into(),
+            holder: holder.into(),
+        }
+    }
+}
+
+impl LeaseStore for StoreLease {
+    type Snapshot = LeaseRecord;
+    type Error = StoreError;
+
+    fn identity(&self) -> &str {
+        &self.holder
+    }
+
+    fn lease_name(&self) -> &str {
+        &self.name
+    }
+
+    async fn read(&self) -> Result<Option<LeaseRecord>, StoreError> {
+        self.store.lease_read(&self.name).await
+    }
+
+    async fn acquire(
+        &self,
+        observed: Option<&LeaseRecord>,
+        duration: Duration,
+    ) -> Result<Option<LeaseRecord>, StoreError> {
+        self.store
+            .lease_acquire(&self.name, &self.holder, observed, duration)
+            .await
+    }
+
+    async fn renew(
+        &self,
+        held: &LeaseRecord,
+        duration: Duration,
+    ) -> Result<Option<LeaseRecord>, StoreError> {
+        self.store
+            .lease_renew(&self.name, &self.holder, held, duration)
+            .await
+    }
+
+    async fn release(&self, _held: &LeaseRecord) -> Result<(), StoreError> {
+        // `false` (someone else holds it now) is what release means to do nothing about.
+        self.store
+            .lease_release(&self.name, &self.holder)
+            .await
+            .map(drop)
     }
 }
