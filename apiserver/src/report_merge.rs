@@ -51,6 +51,8 @@ use reports_server_aggregator::cluster::{
     Adopter, AdoptionConfig, ClusterMetrics, EphemeralReports, PolicyWatcher, Written,
 };
 use reports_server_aggregator::report::{LABEL_MANAGED_BY, LABEL_RESOURCE_UID, MANAGED_BY_VALUE};
+use reports_server_aggregator::election::Elector;
+use reports_server_aggregator::sweep::sweep_namespaces;
 use reports_server_aggregator::{
     AggregationBackend, Aggregator, AggregatorConfig, BackendError, CancellationToken, Ephemeral,
     FinalReport, InputPage, Metrics, ObjectKey, PageRequest, Plan, PolicySet, ReportKind,
@@ -61,13 +63,12 @@ use sea_orm::{
 };
 use serde_json::Value;
 use tokio::sync::{broadcast, watch};
-use tokio::time::Instant;
 
 use crate::registry::{
     DeletePreconditions, FieldValidation, RegistryError, ResourceRef, Validation, decide_delete,
     decide_update, prepare_create,
 };
-use crate::store::lease::LeaseRecord;
+use crate::store::lease::StoreLease;
 use crate::store::write_target::Target;
 use crate::store::{Change, EventType, Mutation, Store, StoreError, parse_document};
 
@@ -735,32 +736,10 @@ pub struct ClusterAccess {
     pub metrics: ClusterMetrics,
 }
 
-/// Timing of the database lease that makes one aggregator active per database.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LeaseConfig {
-    /// How long a lease record must stay unchanged (on the observer's clock) before a
-    /// candidate takes it over.
-    pub duration: Duration,
-    /// How often the holder renews.
-    pub renew_interval: Duration,
-    /// The holder stops aggregating when it could not renew for this long; shorter than
-    /// `duration`, so it has stopped before anyone else may start.
-    pub renew_deadline: Duration,
-    /// How often a candidate looks at the lease (and a failed renewal is retried).
-    pub retry_interval: Duration,
-}
-
-impl Default for LeaseConfig {
-    /// client-go's leader-election defaults, with a shorter retry for a faster takeover.
-    fn default() -> Self {
-        LeaseConfig {
-            duration: Duration::from_secs(15),
-            renew_interval: Duration::from_secs(5),
-            renew_deadline: Duration::from_secs(10),
-            retry_interval: Duration::from_secs(2),
-        }
-    }
-}
+/// Timing of the database lease that makes one aggregator active per database: the same
+/// election rules and defaults as the Kubernetes Lease of `reports-server aggregate`
+/// (`reports_server_aggregator::election`).
+pub use reports_server_aggregator::election::ElectionTiming as LeaseConfig;
 
 /// The in-process aggregator of `reports-server serve`: leader election on the database
 /// lease, event wiring from the change feed, and the aggregator's workers over a
@@ -831,143 +810,26 @@ impl InProcessAggregator {
     }
 
     /// Runs until `cancel` fires: waits for the lease, aggregates while holding it, and
-    /// releases it on the way out.
+    /// releases it on the way out. The election is the aggregator crate's one loop
+    /// ([`Elector`]) over the database lease row ([`StoreLease`]).
     pub async fn run(self, cancel: CancellationToken) {
-        tracing::info!(holder = %self.holder, lease = %self.lease_name, "in-process aggregation: waiting for the lease");
-        let mut observed: Option<(LeaseRecord, Instant)> = None;
-        let mut failing = false;
-        while !cancel.is_cancelled() {
-            let attempt = Instant::now();
-            match self.try_acquire(&mut observed).await {
-                Ok(Some(record)) => {
-                    failing = false;
-                    observed = None;
-                    self.lead(record, attempt, &cancel).await;
-                }
-                Ok(None) => failing = false,
-                Err(e) => {
-                    // Once per outage, not every retry.
-                    if !failing {
-                        tracing::warn!(error = %e, "cannot read the aggregation lease; retrying");
+        let elector = Elector::new(
+            StoreLease::new(self.store.clone(), &self.lease_name, &self.holder),
+            self.lease,
+        );
+        elector
+            .run(
+                cancel,
+                |term| self.work(term),
+                |leading| {
+                    self.leading.send_replace(leading);
+                    if !leading {
+                        self.metrics.queue_depth.set(0);
                     }
-                    failing = true;
-                }
-            }
-            tokio::select! {
-                _ = cancel.cancelled() => break,
-                _ = tokio::time::sleep(self.lease.retry_interval) => {}
-            }
-        }
-        self.metrics.queue_depth.set(0);
-    }
-
-    /// One acquisition attempt (see `store::lease` for the rules).
-    async fn try_acquire(
-        &self,
-        observed: &mut Option<(LeaseRecord, Instant)>,
-    ) -> Result<Option<LeaseRecord>, StoreError> {
-        let name = &self.lease_name;
-        let Some(current) = self.store.lease_read(name).await? else {
-            return self
-                .store
-                .lease_acquire(name, &self.holder, None, self.lease.duration)
-                .await;
-        };
-        let takeable = current.is_released()
-            || current.holder == self.holder
-            || match observed {
-                Some((seen, since)) if *seen == current => since.elapsed() >= self.lease.duration,
-                _ => {
-                    *observed = Some((current.clone(), Instant::now()));
-                    false
-                }
-            };
-        if !takeable {
-            return Ok(None);
-        }
-        if !current.is_released() && current.holder != self.holder {
-            tracing::info!(previous = %current.holder, "aggregation lease expired; taking over");
-        }
-        self.store
-            .lease_acquire(name, &self.holder, Some(&current), self.lease.duration)
-            .await
-    }
-
-    /// Aggregates while the lease holds; returns when it is lost or `cancel` fires.
-    async fn lead(&self, mut record: LeaseRecord, acquired: Instant, cancel: &CancellationToken) {
-        tracing::info!(holder = %self.holder, "aggregation lease acquired; aggregating");
-        let term = cancel.child_token();
-        self.leading.send_replace(true);
-        let work = self.work(term.clone());
-        tokio::pin!(work);
-        let mut work_done = false;
-        let mut lost = false;
-        let mut last_renewed = acquired;
-        let mut wait = self.lease.renew_interval;
-        loop {
-            tokio::select! {
-                _ = term.cancelled() => break,
-                _ = &mut work => {
-                    work_done = true;
-                    tracing::warn!("aggregation stopped on its own; giving the lease back");
-                    break;
-                }
-                _ = tokio::time::sleep(wait) => {
-                    let started = Instant::now();
-                    // The renewal must land before the deadline, or we must stop anyway.
-                    let budget = self.lease.renew_deadline.saturating_sub(last_renewed.elapsed());
-                    let renewal = tokio::time::timeout(
-                        budget,
-                        self.store.lease_renew(&self.lease_name, &self.holder, &record, self.lease.duration),
-                    )
-                    .await;
-                    match renewal {
-                        Ok(Ok(Some(renewed))) => {
-                            record = renewed;
-                            last_renewed = started;
-                            wait = self.lease.renew_interval;
-                        }
-                        Ok(Ok(None)) => {
-                            tracing::warn!("aggregation lease taken over by another replica; stopping");
-                            lost = true;
-                            break;
-                        }
-                        Ok(Err(e)) if last_renewed.elapsed() < self.lease.renew_deadline => {
-                            tracing::warn!(error = %e, "cannot renew the aggregation lease; retrying");
-                            wait = self.lease.retry_interval;
-                        }
-                        Ok(Err(_)) | Err(_) => {
-                            tracing::warn!("aggregation lease not renewed before the deadline; stopping");
-                            lost = true;
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        term.cancel();
-        if !work_done {
-            // Workers stop at their next await point; an interrupted apply rolls back.
-            work.await;
-        }
-        self.leading.send_replace(false);
-        self.metrics.queue_depth.set(0);
-        if !lost {
-            let release = tokio::time::timeout(
-                Duration::from_secs(5),
-                self.store.lease_release(&self.lease_name, &self.holder),
+                },
             )
             .await;
-            match release {
-                Ok(Ok(_)) => tracing::info!("aggregation lease released"),
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "cannot release the aggregation lease; it will expire")
-                }
-                Err(_) => {
-                    tracing::warn!("releasing the aggregation lease timed out; it will expire")
-                }
-            }
-        }
+        self.metrics.queue_depth.set(0);
     }
 
     /// One leadership term: a fresh queue (a cancelled queue may keep keys marked as in
@@ -1084,26 +946,11 @@ async fn enqueue_all(
     cancel: &CancellationToken,
     sweep: Sweep,
 ) {
-    let mut delay = Duration::from_millis(500);
-    loop {
-        match backend.namespaces(sweep).await {
-            Ok(namespaces) => {
-                tracing::debug!(count = namespaces.len(), ?sweep, "enqueued every namespace");
-                for ns in namespaces {
-                    aggregator.enqueue(&ns);
-                }
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, ?sweep, "cannot list namespaces to enqueue; retrying")
-            }
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(Duration::from_secs(30));
-    }
+    let what = match sweep {
+        Sweep::Ephemerals => "with ephemeral reports",
+        Sweep::Inputs => "with ephemeral or Kyverno-managed reports",
+    };
+    sweep_namespaces(aggregator.queue(), cancel, what, || backend.namespaces(sweep)).await
 }
 
 /// Turns change-feed events into queue entries until `cancel` fires.
