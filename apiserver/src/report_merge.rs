@@ -50,8 +50,8 @@ use reports_server_aggregator::cluster::policies::{DEFAULT_REDISCOVERY, next_cha
 use reports_server_aggregator::cluster::{
     Adopter, AdoptionConfig, ClusterMetrics, EphemeralReports, PolicyWatcher, Written,
 };
-use reports_server_aggregator::report::{LABEL_MANAGED_BY, LABEL_RESOURCE_UID, MANAGED_BY_VALUE};
 use reports_server_aggregator::election::Elector;
+use reports_server_aggregator::report::{LABEL_MANAGED_BY, LABEL_RESOURCE_UID, MANAGED_BY_VALUE};
 use reports_server_aggregator::sweep::sweep_namespaces;
 use reports_server_aggregator::{
     AggregationBackend, Aggregator, AggregatorConfig, BackendError, CancellationToken, Ephemeral,
@@ -950,7 +950,10 @@ async fn enqueue_all(
         Sweep::Ephemerals => "with ephemeral reports",
         Sweep::Inputs => "with ephemeral or Kyverno-managed reports",
     };
-    sweep_namespaces(aggregator.queue(), cancel, what, || backend.namespaces(sweep)).await
+    sweep_namespaces(aggregator.queue(), cancel, what, || {
+        backend.namespaces(sweep)
+    })
+    .await
 }
 
 /// Turns change-feed events into queue entries until `cancel` fires.
