@@ -8,7 +8,7 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use super::AppState;
-use super::negotiate::{Representation, Target};
+use super::negotiate::{Negotiated, Representation, Target};
 use super::render::{
     accept, deleted_list_response, include_object, list_response, object_response, with_warnings,
 };
@@ -18,7 +18,7 @@ use super::table::IncludeObject;
 use crate::fieldmanager;
 use crate::registry::{
     Cause, DeletePreconditions, FieldValidation, Patch, RegistryError, ResourceRef, Validation,
-    WriteOptions,
+    WriteOptions, Written,
 };
 
 pub async fn get(
@@ -125,6 +125,25 @@ fn write_options(
     }
 }
 
+/// The object a write stored, with its field-validation warnings.
+fn written_response(
+    code: StatusCode,
+    r: &ResourceRef,
+    n: Negotiated,
+    written: &Written,
+) -> Response {
+    with_warnings(
+        object_response(
+            code,
+            r.resource,
+            n,
+            IncludeObject::default(),
+            &written.object,
+        ),
+        &written.warnings,
+    )
+}
+
 pub async fn create(
     state: &AppState,
     r: &ResourceRef,
@@ -137,16 +156,7 @@ pub async fn create(
     let object = decode_body(content_type(headers), &body)?;
     let options = write_options(params, headers, &body, manager);
     let written = state.registry.create(r, object, &options).await?;
-    Ok(with_warnings(
-        object_response(
-            StatusCode::CREATED,
-            r.resource,
-            n,
-            IncludeObject::default(),
-            &written.object,
-        ),
-        &written.warnings,
-    ))
+    Ok(written_response(StatusCode::CREATED, r, n, &written))
 }
 
 pub async fn update(
@@ -162,16 +172,7 @@ pub async fn update(
     let desired = decode_body(content_type(headers), &body)?;
     let options = write_options(params, headers, &body, manager);
     let written = state.registry.update(r, name, desired, &options).await?;
-    Ok(with_warnings(
-        object_response(
-            StatusCode::OK,
-            r.resource,
-            n,
-            IncludeObject::default(),
-            &written.object,
-        ),
-        &written.warnings,
-    ))
+    Ok(written_response(StatusCode::OK, r, n, &written))
 }
 
 /// `force` of a patch request: Go's `strconv.ParseBool` spellings.
@@ -223,16 +224,7 @@ pub async fn patch(
             } else {
                 StatusCode::OK
             };
-            return Ok(with_warnings(
-                object_response(
-                    code,
-                    r.resource,
-                    n,
-                    IncludeObject::default(),
-                    &written.object,
-                ),
-                &written.warnings,
-            ));
+            return Ok(written_response(code, r, n, &written));
         }
         "application/merge-patch+json" => true,
         "application/json-patch+json" => false,
@@ -277,16 +269,7 @@ pub async fn patch(
     };
     let options = write_options(params, headers, &body, manager);
     let written = state.registry.patch(r, name, &patch, &options).await?;
-    Ok(with_warnings(
-        object_response(
-            StatusCode::OK,
-            r.resource,
-            n,
-            IncludeObject::default(),
-            &written.object,
-        ),
-        &written.warnings,
-    ))
+    Ok(written_response(StatusCode::OK, r, n, &written))
 }
 
 /// An `application/apply-patch+yaml` body: YAML, or JSON (which kubectl and client-go send).

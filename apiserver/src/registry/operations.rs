@@ -11,7 +11,7 @@ use super::rules::{
     prepare_create_as,
 };
 use super::{Admission, ListOptions, ListResult, RegistryError, ResourceRef};
-use crate::store::{EventType, Mutation, Store, write_target};
+use crate::store::{EventType, Mutation, Store, StoreError, write_target};
 
 /// The object rules bound to a store and (behind kube-apiserver) an admission check.
 #[derive(Clone)]
@@ -55,8 +55,8 @@ enum ApplyFailure {
     NeedsAdmission,
 }
 
-impl From<crate::store::StoreError> for ApplyFailure {
-    fn from(e: crate::store::StoreError) -> Self {
+impl From<StoreError> for ApplyFailure {
+    fn from(e: StoreError) -> Self {
         ApplyFailure::Rejected(e.into())
     }
 }
@@ -126,13 +126,12 @@ impl Registry {
                 },
             )
             .await
-            .map_err(|e: RegistryError| {
+            .map_err(|e: RegistryError| match e {
                 // Two creates racing: the loser's insert hits the primary key.
-                if e.reason() == "AlreadyExists" {
+                RegistryError::Store(StoreError::AlreadyExists) => {
                     RegistryError::already_exists(r.resource, &name)
-                } else {
-                    e
                 }
+                e => e,
             })?;
         Ok(Written {
             object: outcome.object.unwrap_or(Value::Null),
@@ -148,33 +147,7 @@ impl Registry {
         desired: Value,
         options: &WriteOptions,
     ) -> Result<Written, RegistryError> {
-        let mut warnings = Vec::new();
-        let outcome = self
-            .store
-            .mutate(
-                r.resource,
-                r.object_namespace(),
-                name,
-                options.dry_run,
-                |current| {
-                    let (mutation, _, w) = decide_update_as(
-                        r,
-                        name,
-                        current,
-                        desired,
-                        &options.validation,
-                        &options.manager,
-                    )?;
-                    warnings = w;
-                    Ok::<_, RegistryError>(mutation)
-                },
-            )
-            .await?;
-        Ok(Written {
-            object: outcome.object.unwrap_or(Value::Null),
-            created: false,
-            warnings,
-        })
+        self.rewrite(r, name, options, |_| Ok(desired)).await
     }
 
     pub async fn patch(
@@ -183,6 +156,34 @@ impl Registry {
         name: &str,
         patch: &Patch,
         options: &WriteOptions,
+    ) -> Result<Written, RegistryError> {
+        self.rewrite(r, name, options, |current| {
+            let mut patched = current.clone();
+            match patch {
+                Patch::Json(p) => json_patch::patch(&mut patched, p).map_err(|e| {
+                    RegistryError::invalid_field(
+                        r.resource,
+                        name,
+                        "",
+                        format!("the JSON patch could not be applied: {e}"),
+                        "FieldValueInvalid",
+                    )
+                })?,
+                Patch::Merge(p) => json_patch::merge(&mut patched, p),
+            }
+            Ok(patched)
+        })
+        .await
+    }
+
+    /// An update of the existing object to what `desired` makes of it, decided inside the
+    /// write transaction (a PUT body ignores the current object; a patch applies to it).
+    async fn rewrite(
+        &self,
+        r: &ResourceRef,
+        name: &str,
+        options: &WriteOptions,
+        desired: impl FnOnce(&Value) -> Result<Value, RegistryError>,
     ) -> Result<Written, RegistryError> {
         let mut warnings = Vec::new();
         let outcome = self
@@ -195,24 +196,12 @@ impl Registry {
                 |current| {
                     let current =
                         current.ok_or_else(|| RegistryError::not_found(r.resource, name))?;
-                    let mut patched = current.clone();
-                    match patch {
-                        Patch::Json(p) => json_patch::patch(&mut patched, p).map_err(|e| {
-                            RegistryError::invalid_field(
-                                r.resource,
-                                name,
-                                "",
-                                format!("the JSON patch could not be applied: {e}"),
-                                "FieldValueInvalid",
-                            )
-                        })?,
-                        Patch::Merge(p) => json_patch::merge(&mut patched, p),
-                    }
+                    let desired = desired(&current)?;
                     let (mutation, _, w) = decide_update_as(
                         r,
                         name,
                         Some(current),
-                        patched,
+                        desired,
                         &options.validation,
                         &options.manager,
                     )?;
