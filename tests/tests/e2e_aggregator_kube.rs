@@ -487,6 +487,17 @@ async fn aggregator_through_kube_apiserver() -> Result<()> {
                     return Ok(false);
                 }
             }
+            // Cluster scope is its own queue entry: it may finish after the namespaces.
+            let cluster_reports = Api::<ClusterPolicyReport>::all(client.clone());
+            if cluster_reports.get_opt(&ns_subject.uid).await?.is_none() {
+                return Ok(false);
+            }
+            let cluster_left = Api::<ClusterEphemeralReport>::all(client.clone())
+                .list_metadata(&ListParams::default())
+                .await?;
+            if !cluster_left.items.is_empty() {
+                return Ok(false);
+            }
             let left_a = ephemeral_names(&client, "agg-a").await?;
             let left_b = ephemeral_names(&client, "agg-b").await?;
             Ok(left_a.is_empty() && left_b.iter().all(|n| n == "9e2b-adm-ghost"))
