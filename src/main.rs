@@ -4,7 +4,9 @@
 
 mod aggregation_cli;
 mod apiservices;
+#[cfg(feature = "bench")]
 mod bench;
+#[cfg(feature = "bench")]
 mod bench_aggregation;
 
 use std::net::{IpAddr, SocketAddr};
@@ -80,6 +82,7 @@ enum Command {
     /// Apply database migrations and exit.
     Migrate(DatabaseArgs),
     /// Measure create and list throughput against a fresh standalone server.
+    #[cfg(feature = "bench")]
     Bench(bench::BenchArgs),
     /// Print the ExternalName Service and the three APIServices that route a cluster's report
     /// APIs to a server running outside the cluster (pipe into `kubectl apply -f -`).
@@ -89,6 +92,7 @@ enum Command {
     Aggregate(aggregation_cli::AggregateArgs),
     /// Measure end-to-end in-process aggregation: ephemeral reports created through the API
     /// until every one is merged into policy reports, for both layouts.
+    #[cfg(feature = "bench")]
     BenchAggregation(bench_aggregation::BenchAggregationArgs),
 }
 
@@ -268,9 +272,11 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Serve(args) => serve(*args).await,
+        #[cfg(feature = "bench")]
         Command::Bench(args) => bench::run(args).await,
         Command::Apiservices(args) => apiservices::run(args),
         Command::Aggregate(args) => aggregation_cli::run_aggregate(args).await,
+        #[cfg(feature = "bench")]
         Command::BenchAggregation(args) => bench_aggregation::run(args).await,
     }
 }
