@@ -6,6 +6,7 @@
 //! * [`catalog`]: one [`catalog::ResourceDescriptor`] per served resource — the single source for
 //!   discovery, routing, printer columns, validation and schemas.
 //! * [`crd`]: CustomResourceDefinition generation from the Rust types (`reports-server crds`).
+//! * [`reportsserver`]: the operator's own kind, `ReportsServer` (`reportsserver.io/v1alpha1`).
 //!
 //! This crate does no I/O.
 
@@ -15,6 +16,7 @@ pub mod catalog;
 pub mod crd;
 pub mod fixtures;
 pub mod kinds;
+pub mod reportsserver;
 pub mod result;
 pub mod schema;
 

@@ -152,3 +152,20 @@ fn committed_crd_yaml_is_fresh() {
         path.display()
     );
 }
+
+/// The committed `crds/generated/reportsserver.yaml` (the operator's own CRD) must be what the
+/// Rust types generate now.
+#[test]
+fn committed_reportsserver_crd_yaml_is_fresh() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("generated/reportsserver.yaml");
+    let generated = reports_server_crds::reportsserver::crd_yaml();
+    if std::env::var_os("UPDATE_GENERATED").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "{} is stale: run `UPDATE_GENERATED=1 cargo test -p reports-server-crds --test crd_drift` and commit it",
+        path.display()
+    );
+}

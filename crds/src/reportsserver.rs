@@ -1,0 +1,516 @@
+//! `ReportsServer` (`reportsserver.io/v1alpha1`): one object declares one installation of
+//! reports-server, and the operator (`reports-server operator`) turns it into running objects.
+//!
+//! Why these shapes:
+//! * Every field has a default, so `spec: {}` is a working single-replica SQLite installation.
+//!   Defaults live in serde (`#[serde(default)]`), so the operator and the generated schema
+//!   agree without a defaulting webhook.
+//! * Choices that exclude each other (`database.sqlite` / `database.postgres.managed` /
+//!   `database.postgres.external`) are optional sub-objects rather than a tagged enum: the API
+//!   server keeps a structural schema, and a spec that sets two of them is refused by the
+//!   operator with a condition that says which, instead of being silently reinterpreted.
+//! * Status follows both conventions Argo CD and kstatus read: `observedGeneration`, `Ready`
+//!   (normal-true), `Reconciling` and `Stalled` (kstatus' abnormal-true pair) and `Degraded`
+//!   (true whenever `Stalled` is, with the same reason, for readers that expect it). The
+//!   migration issue fills `status.migration`; the field exists now so that no status schema
+//!   change is needed then.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Affinity, EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of the operator's own kind.
+pub const GROUP: &str = "reportsserver.io";
+/// Version of the operator's own kind.
+pub const VERSION: &str = "v1alpha1";
+
+/// Condition types the operator writes.
+pub mod condition {
+    /// Every enabled group is served (APIService Available) and the workload is ready.
+    pub const READY: &str = "Ready";
+    /// The operator is still converging towards the spec (kstatus: InProgress).
+    pub const RECONCILING: &str = "Reconciling";
+    /// Progress needs a user action (kstatus: Failed); same reason as `Degraded`.
+    pub const STALLED: &str = "Stalled";
+    /// Same as `Stalled`, for readers that expect Degraded (Argo CD style).
+    pub const DEGRADED: &str = "Degraded";
+}
+
+/// One reports-server installation: database, replicas, TLS, served groups, aggregation, or a
+/// server outside the cluster (`external`).
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "reportsserver.io",
+    version = "v1alpha1",
+    kind = "ReportsServer",
+    plural = "reportsservers",
+    singular = "reportsserver",
+    shortname = "rsrv",
+    namespaced,
+    status = "ReportsServerStatus",
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Database","type":"string","jsonPath":".status.database.type"}"#,
+    printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".status.readyReplicas"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ReportsServerSpec {
+    /// Where reports are stored. Empty means embedded SQLite on a PersistentVolumeClaim.
+    pub database: DatabaseSpec,
+    /// Number of server pods. SQLite allows exactly 1; PostgreSQL allows any number.
+    #[schemars(range(min = 0))]
+    pub replicas: i32,
+    /// Server image. Empty means `reports-server:<operator version>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// `Always`, `IfNotPresent` or `Never`. Empty means `IfNotPresent`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<String>,
+    /// Resources of the server container.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Node selector of the server pods.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations of the server pods.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Affinity of the server pods.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// PriorityClass of the server pods. Empty means `system-cluster-critical`: the report APIs
+    /// sit on the path of namespace deletion and garbage collection.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// Extra arguments appended to `reports-server serve`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub extra_args: Vec<String>,
+    /// Extra environment variables of the server container.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub extra_env: Vec<EnvVar>,
+    /// Which API groups to serve (each on by default).
+    pub groups: GroupsSpec,
+    /// In-process merge of ephemeral reports into policy reports (`serve --aggregation*`).
+    pub aggregation: AggregationSpec,
+    /// Serving certificate of the server and the `caBundle` of the APIServices.
+    pub tls: TlsSpec,
+    /// APIService settings, including the explicit takeover of APIServices someone else owns.
+    pub api_services: ApiServicesSpec,
+    /// Serve from a server running outside the cluster: no Deployment, the APIServices point at
+    /// an ExternalName Service.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub external: Option<ExternalSpec>,
+}
+
+/// Database choice. At most one of `sqlite` and `postgres` may be set; none means `sqlite`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct DatabaseSpec {
+    /// Embedded SQLite on a PersistentVolumeClaim (one replica only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sqlite: Option<SqliteSpec>,
+    /// PostgreSQL: `managed` (run by the operator) or `external` (a Secret reference).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub postgres: Option<PostgresSpec>,
+}
+
+/// Embedded SQLite.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct SqliteSpec {
+    /// Size of the PersistentVolumeClaim holding the database file.
+    pub storage_size: String,
+    /// StorageClass of the claim. Empty means the cluster default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub storage_class_name: Option<String>,
+}
+
+impl Default for SqliteSpec {
+    fn default() -> Self {
+        SqliteSpec {
+            storage_size: "1Gi".into(),
+            storage_class_name: None,
+        }
+    }
+}
+
+/// PostgreSQL. Exactly one of `managed` and `external` must be set.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PostgresSpec {
+    /// A PostgreSQL StatefulSet run by the operator, with a generated password Secret.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub managed: Option<ManagedPostgresSpec>,
+    /// A PostgreSQL server run by someone else, reached with credentials from a Secret.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub external: Option<ExternalPostgresSpec>,
+}
+
+/// The operator's own PostgreSQL.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ManagedPostgresSpec {
+    /// PostgreSQL image.
+    pub image: String,
+    /// Size of the data PersistentVolumeClaim.
+    pub storage_size: String,
+    /// StorageClass of the claim. Empty means the cluster default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub storage_class_name: Option<String>,
+    /// Resources of the PostgreSQL container.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+}
+
+impl Default for ManagedPostgresSpec {
+    fn default() -> Self {
+        ManagedPostgresSpec {
+            image: "docker.io/library/postgres:17".into(),
+            storage_size: "8Gi".into(),
+            storage_class_name: None,
+            resources: None,
+        }
+    }
+}
+
+/// Credentials of an external PostgreSQL, read from a Secret in the ReportsServer's namespace.
+/// Either `urlKey` names a key holding a full `postgres://` URL, or the host/port/database/
+/// user/password keys are used.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ExternalPostgresSpec {
+    /// Name of the Secret.
+    pub secret_name: String,
+    /// Key holding a complete URL. When set, the other keys are ignored.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url_key: Option<String>,
+    /// Key holding the host name.
+    pub host_key: String,
+    /// Key holding the port (optional in the Secret; 5432 when absent).
+    pub port_key: String,
+    /// Key holding the database name.
+    pub database_key: String,
+    /// Key holding the user name.
+    pub user_key: String,
+    /// Key holding the password.
+    pub password_key: String,
+    /// libpq `sslmode`: `disable`, `prefer`, `require`, `verify-ca` or `verify-full`.
+    pub ssl_mode: String,
+    /// Secret holding the CA that signed the database server's certificate (for `verify-ca`
+    /// and `verify-full`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_secret: Option<SecretKeyRef>,
+}
+
+impl Default for ExternalPostgresSpec {
+    fn default() -> Self {
+        ExternalPostgresSpec {
+            secret_name: String::new(),
+            url_key: None,
+            host_key: "host".into(),
+            port_key: "port".into(),
+            database_key: "database".into(),
+            user_key: "username".into(),
+            password_key: "password".into(),
+            ssl_mode: "prefer".into(),
+            ca_secret: None,
+        }
+    }
+}
+
+/// A key of a Secret in the ReportsServer's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    /// Name of the Secret.
+    pub name: String,
+    /// Key in the Secret. Empty means `ca.crt`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub key: String,
+}
+
+/// The three served API groups; each is served and gets its APIService unless turned off.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct GroupsSpec {
+    /// `wgpolicyk8s.io/v1alpha2`: PolicyReport, ClusterPolicyReport.
+    pub wgpolicyk8s: bool,
+    /// `reports.kyverno.io/v1`: EphemeralReport, ClusterEphemeralReport.
+    pub kyverno: bool,
+    /// `openreports.io/v1alpha1`: Report, ClusterReport.
+    pub openreports: bool,
+}
+
+impl Default for GroupsSpec {
+    fn default() -> Self {
+        GroupsSpec {
+            wgpolicyk8s: true,
+            kyverno: true,
+            openreports: true,
+        }
+    }
+}
+
+/// Aggregation settings, mapped one to one on `serve` flags.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct AggregationSpec {
+    /// `--aggregation`.
+    pub enabled: bool,
+    /// `--aggregation-delay` (`30s`, `500ms`, `2m`).
+    pub delay: String,
+    /// `--aggregation-layout`: `per-resource` or `per-policy`.
+    pub layout: String,
+    /// `--chunk-size` (results per report in the per-policy layout).
+    #[schemars(range(min = 1))]
+    pub chunk_size: i32,
+    /// `--aggregation-workers`.
+    #[schemars(range(min = 1))]
+    pub workers: i32,
+}
+
+impl Default for AggregationSpec {
+    fn default() -> Self {
+        AggregationSpec {
+            enabled: true,
+            delay: "30s".into(),
+            layout: "per-resource".into(),
+            chunk_size: 1000,
+            workers: 4,
+        }
+    }
+}
+
+/// TLS of the server.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct TlsSpec {
+    /// A Secret of type `kubernetes.io/tls` with `tls.crt`, `tls.key` and `ca.crt` (for example
+    /// one cert-manager writes). Empty means the operator generates a CA and a serving
+    /// certificate, injects the CA into the APIServices and renews the certificate before it
+    /// expires (the CA stays, so no request fails during renewal).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret_name: Option<String>,
+}
+
+/// APIService settings.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ApiServicesSpec {
+    /// Take over APIServices that exist and are not ours (for example the automanaged ones
+    /// kube-apiserver creates for report CRDs). Off by default: such a group is reported in
+    /// status and left alone.
+    pub take_over: bool,
+    /// `groupPriorityMinimum` of the APIServices (1000, as CRD-backed groups get).
+    pub group_priority_minimum: i32,
+    /// `versionPriority` of the APIServices.
+    pub version_priority: i32,
+}
+
+impl Default for ApiServicesSpec {
+    fn default() -> Self {
+        ApiServicesSpec {
+            take_over: false,
+            group_priority_minimum: 1000,
+            version_priority: 100,
+        }
+    }
+}
+
+/// A server outside the cluster.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExternalSpec {
+    /// DNS name the ExternalName Service resolves to (e.g. `localhost` or `reports.example.com`).
+    pub host: String,
+    /// Port the server listens on.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+    /// PEM of the CA that signed the server's certificate (goes into `caBundle`). The
+    /// certificate must name `<service>.<namespace>.svc`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_bundle: Option<String>,
+    /// Or a Secret key holding that PEM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret: Option<SecretKeyRef>,
+    /// Name of the ExternalName Service. Empty means the ReportsServer's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_name: Option<String>,
+}
+
+impl Default for ReportsServerSpec {
+    fn default() -> Self {
+        ReportsServerSpec {
+            database: DatabaseSpec::default(),
+            replicas: 1,
+            image: None,
+            image_pull_policy: None,
+            resources: None,
+            node_selector: BTreeMap::new(),
+            tolerations: Vec::new(),
+            affinity: None,
+            priority_class_name: None,
+            extra_args: Vec::new(),
+            extra_env: Vec::new(),
+            groups: GroupsSpec::default(),
+            aggregation: AggregationSpec::default(),
+            tls: TlsSpec::default(),
+            api_services: ApiServicesSpec::default(),
+            external: None,
+        }
+    }
+}
+
+/// Observed state.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ReportsServerStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Reconciling`, `Stalled`, `Degraded`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The database in use.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub database: Option<DatabaseStatus>,
+    /// Ready server pods (the external server counts as 1 when all its groups are Available).
+    pub ready_replicas: i32,
+    /// One entry per enabled group.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<GroupStatus>,
+    /// Expiry (RFC 3339) of the generated serving certificate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub certificate_not_after: Option<String>,
+    /// Migration of etcd-backed reports (filled by the migration controller).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub migration: Option<MigrationStatus>,
+}
+
+/// The database in use.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct DatabaseStatus {
+    /// `sqlite`, `postgres-managed`, `postgres-external` or `external`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// Whether the database is usable as far as the operator can tell.
+    pub ready: bool,
+    /// Why not.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}
+
+/// Serving state of one group.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct GroupStatus {
+    /// APIService name, e.g. `v1alpha2.wgpolicyk8s.io`.
+    pub api_service: String,
+    /// Whether kube-apiserver reports the APIService Available.
+    pub available: bool,
+    /// The APIService's Available reason, or why the operator does not manage it.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    /// The matching message.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// The APIService existed, was not ours, and was taken over (`apiServices.takeOver`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub taken_over: bool,
+}
+
+/// Progress of a migration of etcd-backed reports.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct MigrationStatus {
+    /// Phase name.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub phase: String,
+    /// Reports copied so far.
+    pub copied: i64,
+    /// Reports to copy.
+    pub total: i64,
+}
+
+impl ReportsServerSpec {
+    /// The APIServices the spec asks for, as (version, group).
+    pub fn enabled_groups(&self) -> Vec<(&'static str, &'static str)> {
+        let mut out = Vec::new();
+        if self.groups.wgpolicyk8s {
+            out.push(("v1alpha2", "wgpolicyk8s.io"));
+        }
+        if self.groups.kyverno {
+            out.push(("v1", "reports.kyverno.io"));
+        }
+        if self.groups.openreports {
+            out.push(("v1alpha1", "openreports.io"));
+        }
+        out
+    }
+}
+
+/// The ReportsServer CRD as YAML (one document, with a leading `---`).
+pub fn crd_yaml() -> String {
+    use kube::CustomResourceExt;
+    format!(
+        "---\n{}",
+        serde_yaml::to_string(&ReportsServer::crd()).expect("the CRD serializes to YAML")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_spec_is_single_replica_sqlite_with_all_groups() {
+        let spec: ReportsServerSpec = serde_json::from_str("{}").unwrap();
+        assert_eq!(spec, ReportsServerSpec::default());
+        assert_eq!(spec.replicas, 1);
+        assert!(spec.database.sqlite.is_none() && spec.database.postgres.is_none());
+        assert_eq!(spec.enabled_groups().len(), 3);
+        assert!(spec.aggregation.enabled);
+    }
+
+    #[test]
+    fn partial_sub_objects_keep_their_defaults() {
+        let spec: ReportsServerSpec = serde_json::from_value(serde_json::json!({
+            "groups": {"kyverno": false},
+            "database": {"postgres": {"external": {"secretName": "db"}}},
+        }))
+        .unwrap();
+        assert_eq!(
+            spec.enabled_groups(),
+            vec![
+                ("v1alpha2", "wgpolicyk8s.io"),
+                ("v1alpha1", "openreports.io")
+            ]
+        );
+        let ext = spec.database.postgres.unwrap().external.unwrap();
+        assert_eq!(ext.password_key, "password");
+        assert_eq!(ext.ssl_mode, "prefer");
+    }
+
+    #[test]
+    fn crd_has_names_scope_status_and_columns() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_value(ReportsServer::crd()).unwrap();
+        assert_eq!(crd["metadata"]["name"], "reportsservers.reportsserver.io");
+        assert_eq!(crd["spec"]["scope"], "Namespaced");
+        assert_eq!(crd["spec"]["names"]["shortNames"][0], "rsrv");
+        let v = &crd["spec"]["versions"][0];
+        assert!(v["subresources"]["status"].is_object());
+        let cols: Vec<&str> = v["additionalPrinterColumns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(cols, ["Ready", "Database", "Replicas", "Age"]);
+    }
+}
