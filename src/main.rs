@@ -8,6 +8,7 @@ mod apiservices;
 mod bench;
 #[cfg(feature = "bench")]
 mod bench_aggregation;
+mod operator_cli;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -94,6 +95,8 @@ enum Command {
     /// until every one is merged into policy reports, for both layouts.
     #[cfg(feature = "bench")]
     BenchAggregation(bench_aggregation::BenchAggregationArgs),
+    /// Run the ReportsServer operator (reconciles reportsserver.io/v1alpha1 objects).
+    Operator(Box<operator_cli::OperatorArgs>),
 }
 
 /// How `serve` authenticates and authorizes callers.
@@ -278,6 +281,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Aggregate(args) => aggregation_cli::run_aggregate(args).await,
         #[cfg(feature = "bench")]
         Command::BenchAggregation(args) => bench_aggregation::run(args).await,
+        Command::Operator(args) => operator_cli::run(*args).await,
     }
 }
 

@@ -1,0 +1,864 @@
+//! The reconciler: kube-runtime `Controller` on ReportsServer, owning what it creates.
+//!
+//! One reconcile is: validate the spec → look up the facts the pure builders need (database
+//! Secret keys, TLS material, APIServices owned by someone else) → server-side apply every
+//! desired object with one field manager → read back what kube-apiserver says (APIService
+//! `Available`, ready pods) → write status only when it changed. Decisions that need a user
+//! (invalid spec, missing Secret key, an APIService owned by someone else) end in
+//! `Degraded`/`Stalled` with a message naming the object and field, an Event, and a slow
+//! requeue; a fix is picked up by that requeue without restarting anything.
+//!
+//! Deletion runs through a finalizer: the APIServices go first (so no group is left routed to a
+//! Service that is about to disappear), then the cluster-scoped RBAC and the RoleBinding in
+//! kube-system; namespaced objects follow through their ownerReferences (garbage collector).
+//! The migration/rollback work of the zero-loss migration issue hooks into the same cleanup.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use reports_server_crds::reportsserver::{
+    DatabaseStatus, GroupStatus, ReportsServer, ReportsServerStatus,
+};
+use serde_json::{Value, json};
+
+use crate::desired::{self, Database, Inputs, Tls};
+use crate::http::Metrics;
+use crate::status::{self, Outcome};
+use crate::{FIELD_MANAGER, FINALIZER, MANAGED_BY, OWNER_ANNOTATION, tls};
+
+/// Errors of one reconcile; all are retried by [`error_policy`] with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+    #[error("TLS: {0}")]
+    Tls(#[from] tls::TlsError),
+    #[error("{0} has no namespace")]
+    NoNamespace(String),
+}
+
+/// Operator settings (the binary maps flags and environment onto it).
+#[derive(Clone, Debug)]
+pub struct OperatorConfig {
+    /// Image of the server when a ReportsServer names none.
+    pub default_image: String,
+    /// Watch ReportsServers in this namespace only; `None` watches all.
+    pub watch_namespace: Option<String>,
+    /// Requeue while converging.
+    pub progress_requeue: Duration,
+    /// Requeue while degraded (how soon a fixed Secret is noticed).
+    pub degraded_requeue: Duration,
+    /// Requeue when ready (certificate renewal checks, drift repair).
+    pub ready_requeue: Duration,
+    /// Longest backoff after errors.
+    pub max_backoff: Duration,
+    /// Events' reporting instance (the pod name).
+    pub instance: Option<String>,
+}
+
+impl Default for OperatorConfig {
+    fn default() -> Self {
+        OperatorConfig {
+            default_image: crate::DEFAULT_IMAGE.into(),
+            watch_namespace: None,
+            progress_requeue: Duration::from_secs(3),
+            degraded_requeue: Duration::from_secs(15),
+            ready_requeue: Duration::from_secs(300),
+            max_backoff: Duration::from_secs(300),
+            instance: None,
+        }
+    }
+}
+
+/// Shared state of the reconciler.
+pub struct Context {
+    pub client: Client,
+    pub config: OperatorConfig,
+    pub metrics: Metrics,
+    recorder: Recorder,
+    failures: Mutex<HashMap<ObjectRef<ReportsServer>, u32>>,
+}
+
+impl Context {
+    pub fn new(client: Client, config: OperatorConfig, metrics: Metrics) -> Self {
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: config.instance.clone(),
+        };
+        Context {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            config,
+            metrics,
+            failures: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn event(&self, rs: &ReportsServer, type_: EventType, reason: &str, note: String) {
+        let ev = KubeEvent {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &rs.object_ref(&())).await {
+            tracing::warn!(error = %e, reason, "could not publish an Event");
+        }
+    }
+}
+
+/// The API resource of a desired object's `apiVersion`/`kind`.
+fn api_resource(obj: &Value) -> ApiResource {
+    let api_version = obj["apiVersion"].as_str().unwrap_or_default();
+    let kind = obj["kind"].as_str().unwrap_or_default();
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let plural = match kind {
+        "Service" => "services",
+        "ServiceAccount" => "serviceaccounts",
+        "Secret" => "secrets",
+        "Deployment" => "deployments",
+        "StatefulSet" => "statefulsets",
+        "PodDisruptionBudget" => "poddisruptionbudgets",
+        "ClusterRole" => "clusterroles",
+        "ClusterRoleBinding" => "clusterrolebindings",
+        "RoleBinding" => "rolebindings",
+        "APIService" => "apiservices",
+        other => panic!("desired objects never have kind {other}"),
+    };
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
+}
+
+fn dynamic_api(client: &Client, obj: &Value) -> Api<DynamicObject> {
+    let ar = api_resource(obj);
+    match obj["metadata"]["namespace"].as_str() {
+        Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+        None => Api::all_with(client.clone(), &ar),
+    }
+}
+
+/// Server-side apply with the operator's field manager, taking fields over from others.
+async fn apply(client: &Client, obj: &Value) -> Result<DynamicObject, kube::Error> {
+    let name = obj["metadata"]["name"].as_str().unwrap_or_default();
+    dynamic_api(client, obj)
+        .patch(
+            name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(obj),
+        )
+        .await
+}
+
+fn owner_key(rs: &ReportsServer) -> String {
+    format!("{}/{}", rs.namespace().unwrap_or_default(), rs.name_any())
+}
+
+fn is_ours<K: Resource>(obj: &K, rs: &ReportsServer) -> bool {
+    obj.meta()
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(OWNER_ANNOTATION))
+        .is_some_and(|o| *o == owner_key(rs))
+}
+
+async fn get_opt<K>(api: &Api<K>, name: &str) -> Result<Option<K>, kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.get_opt(name).await
+}
+
+fn secret_str(secret: &Secret, key: &str) -> Option<String> {
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(key).cloned())
+        })
+}
+
+/// Checks a key of a Secret: `Err(outcome)` names the Secret, the key and the spec field.
+async fn secret_key(
+    secrets: &Api<Secret>,
+    ns: &str,
+    name: &str,
+    key: &str,
+    field: &str,
+) -> Result<Result<String, Outcome>, kube::Error> {
+    Ok(match get_opt(secrets, name).await? {
+        None => Err(Outcome::degraded(
+            "DatabaseSecretMissing",
+            format!("Secret {ns}/{name} (from {field}) does not exist"),
+        )),
+        Some(s) => match secret_str(&s, key) {
+            Some(v) if !v.is_empty() => Ok(v),
+            _ => Err(Outcome::degraded(
+                "DatabaseSecretKeyMissing",
+                format!("Secret {ns}/{name} has no key {key:?} (from {field})"),
+            )),
+        },
+    })
+}
+
+/// Verifies the external PostgreSQL Secret has every key the spec names.
+async fn check_external_postgres(
+    ctx: &Context,
+    ns: &str,
+    e: &reports_server_crds::reportsserver::ExternalPostgresSpec,
+) -> Result<Option<Outcome>, kube::Error> {
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+    let base = "spec.database.postgres.external";
+    let mut keys: Vec<(&str, String)> = Vec::new();
+    if let Some(url) = &e.url_key {
+        keys.push((url, format!("{base}.urlKey")));
+    } else {
+        keys.push((&e.host_key, format!("{base}.hostKey")));
+        keys.push((&e.database_key, format!("{base}.databaseKey")));
+        keys.push((&e.user_key, format!("{base}.userKey")));
+        keys.push((&e.password_key, format!("{base}.passwordKey")));
+    }
+    for (key, field) in keys {
+        if let Err(outcome) = secret_key(&secrets, ns, &e.secret_name, key, &field).await? {
+            return Ok(Some(outcome));
+        }
+    }
+    if let Some(ca) = &e.ca_secret {
+        let key = if ca.key.is_empty() { "ca.crt" } else { &ca.key };
+        if let Err(o) = secret_key(&secrets, ns, &ca.name, key, &format!("{base}.caSecret")).await?
+        {
+            return Ok(Some(o));
+        }
+    }
+    Ok(None)
+}
+
+/// The managed PostgreSQL's password Secret: created once with a random password, never
+/// rewritten (server-side apply would replace the password on every reconcile).
+async fn ensure_postgres_password(ctx: &Context, rs: &ReportsServer) -> Result<(), kube::Error> {
+    use rand::distr::{Alphanumeric, SampleString};
+    let ns = rs.namespace().unwrap_or_default();
+    let name = desired::postgres_name(rs);
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    if get_opt(&secrets, &name).await?.is_some() {
+        return Ok(());
+    }
+    let password = Alphanumeric.sample_string(&mut rand::rng(), 32);
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {
+            "name": name, "namespace": ns, "labels": desired::labels(rs),
+            "ownerReferences": [owner_reference(rs)],
+        },
+        "stringData": {"password": password},
+    }))
+    .expect("a valid Secret");
+    match secrets.create(&PostParams::default(), &secret).await {
+        Ok(_) => {
+            ctx.event(
+                rs,
+                EventType::Normal,
+                "DatabasePasswordCreated",
+                format!("created Secret {ns}/{name} with a generated PostgreSQL password"),
+            )
+            .await;
+            Ok(())
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn owner_reference(rs: &ReportsServer) -> Value {
+    json!({
+        "apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+        "name": rs.name_any(), "uid": rs.metadata.uid.clone().unwrap_or_default(),
+        "controller": true, "blockOwnerDeletion": true,
+    })
+}
+
+/// TLS of an in-cluster installation: the user's Secret, or the generated CA and a serving
+/// certificate renewed before expiry. Returns the TLS for the builders and the expiry.
+async fn ensure_tls(
+    ctx: &Context,
+    rs: &ReportsServer,
+) -> Result<Result<(Tls, Option<String>), Outcome>, Error> {
+    let ns = rs.namespace().unwrap_or_default();
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    if let Some(name) = &rs.spec.tls.secret_name {
+        let Some(secret) = get_opt(&secrets, name).await? else {
+            return Ok(Err(Outcome::degraded(
+                "TLSSecretMissing",
+                format!("Secret {ns}/{name} (from spec.tls.secretName) does not exist"),
+            )));
+        };
+        for key in ["tls.crt", "tls.key", "ca.crt"] {
+            if secret_str(&secret, key).is_none_or(|v| v.is_empty()) {
+                return Ok(Err(Outcome::degraded(
+                    "TLSSecretKeyMissing",
+                    format!("Secret {ns}/{name} has no key {key:?} (from spec.tls.secretName)"),
+                )));
+            }
+        }
+        let ca_pem = secret_str(&secret, "ca.crt").unwrap_or_default();
+        let not_after = secret_str(&secret, "tls.crt")
+            .and_then(|c| tls::inspect(&c).ok())
+            .map(|(t, _)| rfc3339(t));
+        return Ok(Ok((
+            Tls {
+                secret_name: name.clone(),
+                ca_pem,
+            },
+            not_after,
+        )));
+    }
+    let meta = |name: String| json!({"name": name, "namespace": ns, "labels": desired::labels(rs), "ownerReferences": [owner_reference(rs)]});
+    let ca_name = desired::ca_secret_name(rs);
+    let ca = match get_opt(&secrets, &ca_name).await?.and_then(|s| {
+        Some(tls::Pair {
+            cert_pem: secret_str(&s, "ca.crt")?,
+            key_pem: secret_str(&s, "ca.key")?,
+        })
+    }) {
+        Some(ca) => ca,
+        None => {
+            let ca = tls::new_ca(&format!("reports-server {ns}/{}", rs.name_any()))?;
+            apply(
+                &ctx.client,
+                &json!({
+                    "apiVersion": "v1", "kind": "Secret", "metadata": meta(ca_name.clone()),
+                    "type": "Opaque",
+                    "stringData": {"ca.crt": ca.cert_pem, "ca.key": ca.key_pem},
+                }),
+            )
+            .await?;
+            ctx.event(
+                rs,
+                EventType::Normal,
+                "CACreated",
+                format!("generated a CA in Secret {ns}/{ca_name}"),
+            )
+            .await;
+            ca
+        }
+    };
+    let tls_name = desired::tls_secret_name(rs);
+    let names = tls::serving_names(&desired::service_name(rs), &ns);
+    let now = chrono::Utc::now().timestamp();
+    let current = get_opt(&secrets, &tls_name).await?;
+    let cert = current
+        .as_ref()
+        .and_then(|s| secret_str(s, "tls.crt"))
+        .filter(|c| {
+            secret_str(current.as_ref().unwrap(), "ca.crt").as_deref() == Some(&ca.cert_pem)
+                && !tls::needs_renewal(c, &names, now)
+        });
+    let cert = match cert {
+        Some(c) => c,
+        None => {
+            let pair = tls::new_serving(&ca, &names)?;
+            apply(
+                &ctx.client,
+                &json!({
+                    "apiVersion": "v1", "kind": "Secret", "metadata": meta(tls_name.clone()),
+                    "type": "kubernetes.io/tls",
+                    "stringData": {"tls.crt": pair.cert_pem, "tls.key": pair.key_pem, "ca.crt": ca.cert_pem},
+                }),
+            )
+            .await?;
+            ctx.event(
+                rs,
+                EventType::Normal,
+                if current.is_some() {
+                    "CertificateRenewed"
+                } else {
+                    "CertificateIssued"
+                },
+                format!(
+                    "serving certificate for {} in Secret {ns}/{tls_name}",
+                    names[0]
+                ),
+            )
+            .await;
+            pair.cert_pem
+        }
+    };
+    let not_after = tls::inspect(&cert).ok().map(|(t, _)| rfc3339(t));
+    Ok(Ok((
+        Tls {
+            secret_name: tls_name,
+            ca_pem: ca.cert_pem,
+        },
+        not_after,
+    )))
+}
+
+fn rfc3339(secs: i64) -> String {
+    chrono::DateTime::from_timestamp(secs, 0)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+        .unwrap_or_default()
+}
+
+/// The external server's CA PEM from `spec.external`.
+async fn external_ca(ctx: &Context, rs: &ReportsServer) -> Result<Result<String, Outcome>, Error> {
+    let ext = rs.spec.external.clone().unwrap_or_default();
+    if let Some(pem) = ext.ca_bundle.filter(|p| !p.is_empty()) {
+        return Ok(Ok(pem));
+    }
+    let ns = rs.namespace().unwrap_or_default();
+    let Some(ca) = ext.ca_secret else {
+        return Ok(Err(Outcome::degraded(
+            "InvalidSpec",
+            "spec.external needs caBundle or caSecret: the APIServices must verify the server \
+             (insecureSkipTLSVerify is never used)",
+        )));
+    };
+    let key = if ca.key.is_empty() {
+        "ca.crt".to_string()
+    } else {
+        ca.key.clone()
+    };
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    Ok(
+        secret_key(&secrets, &ns, &ca.name, &key, "spec.external.caSecret")
+            .await?
+            .map_err(|o| match o {
+                Outcome::Degraded { message, .. } => Outcome::degraded("CASecretMissing", message),
+                other => other,
+            }),
+    )
+}
+
+/// Status of an APIService's `Available` condition: (available, reason, message).
+fn available(api: &APIService) -> (bool, String, String) {
+    api.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Available"))
+        .map(|c| {
+            (
+                c.status == "True",
+                c.reason.clone().unwrap_or_default(),
+                c.message.clone().unwrap_or_default(),
+            )
+        })
+        .unwrap_or((false, "Pending".into(), "no Available condition yet".into()))
+}
+
+fn describe_target(api: &APIService) -> String {
+    match api.spec.as_ref().and_then(|s| s.service.as_ref()) {
+        Some(svc) => format!(
+            "Service {}/{}",
+            svc.namespace.clone().unwrap_or_default(),
+            svc.name.clone().unwrap_or_default()
+        ),
+        None => "Local (CRD storage)".into(),
+    }
+}
+
+/// Reconciles one ReportsServer (wrapped in the finalizer).
+pub async fn reconcile(rs: Arc<ReportsServer>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let ns = rs
+        .namespace()
+        .ok_or_else(|| Error::NoNamespace(rs.name_any()))?;
+    let api: Api<ReportsServer> = Api::namespaced(ctx.client.clone(), &ns);
+    let key = ObjectRef::from_obj(&*rs);
+    let result = finalizer(&api, FINALIZER, rs, |event| async {
+        match event {
+            Finalizer::Apply(rs) => apply_installation(&rs, &ctx).await,
+            Finalizer::Cleanup(rs) => cleanup(&rs, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)));
+    ctx.metrics.observe(started.elapsed(), result.is_ok());
+    if result.is_ok() {
+        ctx.failures.lock().expect("not poisoned").remove(&key);
+    }
+    result
+}
+
+/// Backoff after a failed reconcile: 1 s, 2 s, 4 s, ... up to `max_backoff`.
+pub fn error_policy(rs: Arc<ReportsServer>, error: &Error, ctx: Arc<Context>) -> Action {
+    let key = ObjectRef::from_obj(&*rs);
+    let n = {
+        let mut f = ctx.failures.lock().expect("not poisoned");
+        let n = f.entry(key).or_insert(0);
+        *n += 1;
+        *n
+    };
+    let delay = Duration::from_secs(1u64 << n.min(16)).min(ctx.config.max_backoff);
+    tracing::warn!(name = %rs.name_any(), error = %error, attempt = n, ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action, Error> {
+    let ns = rs.namespace().unwrap_or_default();
+    let previous = rs.status.clone().unwrap_or_default();
+    let mut status = ReportsServerStatus {
+        observed_generation: rs.metadata.generation,
+        migration: previous.migration.clone(),
+        ..Default::default()
+    };
+    let outcome = 'outcome: {
+        let database = match desired::database_of(&rs.spec) {
+            Ok(db) => db,
+            Err(invalid) => break 'outcome Outcome::degraded(invalid.reason, invalid.message),
+        };
+        status.database = Some(DatabaseStatus {
+            type_: database.type_name().into(),
+            ready: false,
+            message: String::new(),
+        });
+        let mut db_problem = None;
+        match &database {
+            Database::ExternalPostgres(e) => {
+                db_problem = check_external_postgres(ctx, &ns, e).await?
+            }
+            Database::ManagedPostgres(_) => ensure_postgres_password(ctx, rs).await?,
+            _ => {}
+        }
+        if let Some(problem) = db_problem {
+            if let (Some(db), Outcome::Degraded { message, .. }) = (&mut status.database, &problem)
+            {
+                db.message = message.clone();
+            }
+            break 'outcome problem;
+        }
+        let (tls, external_ca_pem) = if database == Database::External {
+            match external_ca(ctx, rs).await? {
+                Ok(pem) => (None, Some(pem)),
+                Err(o) => break 'outcome o,
+            }
+        } else {
+            match ensure_tls(ctx, rs).await? {
+                Ok((tls, not_after)) => {
+                    status.certificate_not_after = not_after;
+                    (Some(tls), None)
+                }
+                Err(o) => break 'outcome o,
+            }
+        };
+
+        // APIServices that exist and are not ours: left alone unless takeover is asked for.
+        let apiservices: Api<APIService> = Api::all(ctx.client.clone());
+        let mut foreign = Vec::new();
+        let mut groups = Vec::new();
+        for (version, group) in rs.spec.enabled_groups() {
+            let name = format!("{version}.{group}");
+            let mut gs = GroupStatus {
+                api_service: name.clone(),
+                taken_over: previous
+                    .groups
+                    .iter()
+                    .any(|g| g.api_service == name && g.taken_over),
+                ..Default::default()
+            };
+            if let Some(existing) = get_opt(&apiservices, &name).await?
+                && !is_ours(&existing, rs)
+            {
+                if rs.spec.api_services.take_over {
+                    gs.taken_over = true;
+                    ctx.event(
+                        rs,
+                        EventType::Normal,
+                        "APIServiceTakenOver",
+                        format!(
+                            "took over APIService {name} (was routed to {})",
+                            describe_target(&existing)
+                        ),
+                    )
+                    .await;
+                } else {
+                    gs.reason = "OwnedByOther".into();
+                    gs.message = format!(
+                        "APIService {name} exists and is not managed by this ReportsServer (routed to {}); set spec.apiServices.takeOver: true to take it over",
+                        describe_target(&existing)
+                    );
+                    foreign.push(name.clone());
+                }
+            }
+            groups.push(gs);
+        }
+
+        let inputs = Inputs {
+            rs,
+            database: database.clone(),
+            tls,
+            external_ca_pem,
+            default_image: &ctx.config.default_image,
+            foreign_api_services: foreign.clone(),
+        };
+        let want = desired::desired(&inputs);
+        let mut workload_ready = database == Database::External;
+        let mut ready_replicas = 0;
+        for obj in want.owned.iter().chain(want.unowned.iter()) {
+            let applied = apply(&ctx.client, obj).await?;
+            let kind = obj["kind"].as_str().unwrap_or_default();
+            if (kind == "Deployment" || kind == "StatefulSet")
+                && obj["metadata"]["name"] == json!(rs.name_any())
+            {
+                let st = &applied.data["status"];
+                ready_replicas = st["readyReplicas"].as_i64().unwrap_or(0) as i32;
+                let updated = st["updatedReplicas"].as_i64().unwrap_or(0);
+                let want_replicas = obj["spec"]["replicas"].as_i64().unwrap_or(1);
+                workload_ready = st["observedGeneration"]
+                    == applied
+                        .metadata
+                        .generation
+                        .map(Value::from)
+                        .unwrap_or_default()
+                    && updated >= want_replicas
+                    && i64::from(ready_replicas) >= want_replicas;
+            }
+        }
+        for obj in &want.api_services {
+            let applied = apply(&ctx.client, obj).await?;
+            let api: APIService =
+                serde_json::from_value(serde_json::to_value(&applied).unwrap_or_default())
+                    .unwrap_or_default();
+            let (ok, reason, message) = available(&api);
+            if let Some(gs) = groups
+                .iter_mut()
+                .find(|g| Some(&g.api_service) == api.metadata.name.as_ref())
+            {
+                gs.available = ok;
+                gs.reason = reason;
+                gs.message = message;
+            }
+        }
+        // Groups turned off: remove our APIService (kube-apiserver re-creates a Local one if a
+        // CRD for the group exists).
+        for (version, group) in [
+            ("v1alpha2", "wgpolicyk8s.io"),
+            ("v1", "reports.kyverno.io"),
+            ("v1alpha1", "openreports.io"),
+        ] {
+            if rs.spec.enabled_groups().contains(&(version, group)) {
+                continue;
+            }
+            let name = format!("{version}.{group}");
+            if let Some(existing) = get_opt(&apiservices, &name).await?
+                && is_ours(&existing, rs)
+            {
+                apiservices.delete(&name, &DeleteParams::default()).await?;
+                ctx.event(
+                    rs,
+                    EventType::Normal,
+                    "APIServiceRemoved",
+                    format!("group {group} turned off: deleted APIService {name}"),
+                )
+                .await;
+            }
+        }
+        let all_available = groups.iter().all(|g| g.available);
+        if database == Database::External && all_available {
+            ready_replicas = 1;
+        }
+        status.ready_replicas = ready_replicas;
+        if let Some(db) = &mut status.database {
+            db.ready = workload_ready;
+        }
+        status.groups = groups;
+        if !foreign.is_empty() {
+            break 'outcome Outcome::degraded(
+                "APIServiceOwnedByOther",
+                format!(
+                    "APIService {} exists and is not managed by this ReportsServer; set spec.apiServices.takeOver: true to take it over",
+                    foreign.join(", ")
+                ),
+            );
+        }
+        if !workload_ready {
+            break 'outcome Outcome::progressing(
+                "WaitingForPods",
+                format!(
+                    "{ready_replicas} of {} server pods ready",
+                    rs.spec.replicas.max(1)
+                ),
+            );
+        }
+        if let Some(g) = status.groups.iter().find(|g| !g.available) {
+            break 'outcome Outcome::progressing(
+                "WaitingForAPIService",
+                format!(
+                    "APIService {} is not Available yet: {} {}",
+                    g.api_service, g.reason, g.message
+                ),
+            );
+        }
+        Outcome::Ready
+    };
+    if status.groups.is_empty() {
+        status.groups = previous.groups.clone();
+    }
+    status.conditions = status::conditions(
+        &previous.conditions,
+        &outcome,
+        rs.metadata.generation,
+        Time(k8s_openapi::jiff::Timestamp::now()),
+    );
+    if status != previous {
+        let was = status::find(
+            &previous.conditions,
+            reports_server_crds::reportsserver::condition::READY,
+        )
+        .map(|c| (c.status.clone(), c.reason.clone()));
+        let now = status::find(
+            &status.conditions,
+            reports_server_crds::reportsserver::condition::READY,
+        )
+        .map(|c| (c.status.clone(), c.reason.clone()));
+        if was != now {
+            let (type_, reason, note) = match &outcome {
+                Outcome::Ready => (
+                    EventType::Normal,
+                    "Ready".to_string(),
+                    "every enabled API group is served".to_string(),
+                ),
+                Outcome::Progressing { reason, message } => {
+                    (EventType::Normal, reason.clone(), message.clone())
+                }
+                Outcome::Degraded { reason, message } => {
+                    (EventType::Warning, reason.clone(), message.clone())
+                }
+            };
+            ctx.event(rs, type_, &reason, note).await;
+        }
+        let api: Api<ReportsServer> = Api::namespaced(ctx.client.clone(), &ns);
+        api.patch_status(
+            &rs.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": status})),
+        )
+        .await?;
+    }
+    Ok(match outcome {
+        Outcome::Ready => Action::requeue(ctx.config.ready_requeue),
+        Outcome::Progressing { .. } => Action::requeue(ctx.config.progress_requeue),
+        Outcome::Degraded { .. } => Action::requeue(ctx.config.degraded_requeue),
+    })
+}
+
+/// Deletion: APIServices first, then what ownerReferences cannot reach.
+async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action, Error> {
+    let apiservices: Api<APIService> = Api::all(ctx.client.clone());
+    let mut removed = Vec::new();
+    for (version, group) in [
+        ("v1alpha2", "wgpolicyk8s.io"),
+        ("v1", "reports.kyverno.io"),
+        ("v1alpha1", "openreports.io"),
+    ] {
+        let name = format!("{version}.{group}");
+        if let Some(existing) = get_opt(&apiservices, &name).await?
+            && is_ours(&existing, rs)
+        {
+            delete_ignoring_missing(&apiservices, &name).await?;
+            removed.push(name);
+        }
+    }
+    if !removed.is_empty() {
+        ctx.event(
+            rs,
+            EventType::Normal,
+            "APIServicesRemoved",
+            format!("deleted APIServices {}", removed.join(", ")),
+        )
+        .await;
+    }
+    let cluster = desired::cluster_name(rs);
+    let crb: Api<k8s_openapi::api::rbac::v1::ClusterRoleBinding> = Api::all(ctx.client.clone());
+    for name in [format!("{cluster}:auth-delegator"), cluster.clone()] {
+        if let Some(o) = get_opt(&crb, &name).await?
+            && is_ours(&o, rs)
+        {
+            delete_ignoring_missing(&crb, &name).await?;
+        }
+    }
+    let cr: Api<k8s_openapi::api::rbac::v1::ClusterRole> = Api::all(ctx.client.clone());
+    if let Some(o) = get_opt(&cr, &cluster).await?
+        && is_ours(&o, rs)
+    {
+        delete_ignoring_missing(&cr, &cluster).await?;
+    }
+    let rb: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
+        Api::namespaced(ctx.client.clone(), "kube-system");
+    let name = format!("{cluster}:auth-reader");
+    if let Some(o) = get_opt(&rb, &name).await?
+        && is_ours(&o, rs)
+    {
+        delete_ignoring_missing(&rb, &name).await?;
+    }
+    Ok(Action::await_change())
+}
+
+async fn delete_ignoring_missing<K>(api: &Api<K>, name: &str) -> Result<(), kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Maps an APIService we manage to its ReportsServer (from the owner annotation).
+fn owner_of(api: APIService) -> Option<ObjectRef<ReportsServer>> {
+    let owner = api.annotations().get(OWNER_ANNOTATION)?;
+    let (ns, name) = owner.split_once('/')?;
+    Some(ObjectRef::new(name).within(ns))
+}
+
+/// Runs the controller until a shutdown signal.
+pub async fn run(ctx: Arc<Context>) {
+    let client = ctx.client.clone();
+    let rs_api: Api<ReportsServer> = match &ctx.config.watch_namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let managed =
+        watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
+    macro_rules! owned_api {
+        ($t:ty) => {
+            match &ctx.config.watch_namespace {
+                Some(ns) => Api::<$t>::namespaced(client.clone(), ns),
+                None => Api::<$t>::all(client.clone()),
+            }
+        };
+    }
+    Controller::new(rs_api, watcher::Config::default().any_semantic())
+        .owns(owned_api!(Service), managed.clone())
+        .owns(owned_api!(Deployment), managed.clone())
+        .owns(owned_api!(StatefulSet), managed.clone())
+        .watches(Api::<APIService>::all(client.clone()), managed, owner_of)
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| async move {
+            match res {
+                Ok((obj, _)) => tracing::debug!(object = %obj, "reconciled"),
+                Err(e) => tracing::debug!(error = %e, "reconcile error"),
+            }
+        })
+        .await;
+}

@@ -1,0 +1,700 @@
+//! The objects a `ReportsServer` asks for, built by pure functions.
+//!
+//! Why pure: every object the operator applies is decided here from the ReportsServer, the
+//! resolved database and the TLS material, with no I/O. That makes the whole installation
+//! reviewable as golden YAML (`operator/tests/golden/`), lets the reconciler be a thin "apply
+//! these, then read status" loop, and keeps `reports-server manifests` and the operator from
+//! disagreeing about names.
+//!
+//! Objects come as JSON values (`apiVersion`/`kind`/`metadata`/...) because they are applied
+//! with server-side apply, which wants exactly the fields we own and nothing else (no `status`,
+//! no defaulted fields). Namespaced objects carry an ownerReference to the ReportsServer, so the
+//! garbage collector removes them; cluster-scoped objects and the RoleBinding in `kube-system`
+//! cannot, so they are listed separately and the finalizer deletes them — the APIServices first.
+
+use std::collections::BTreeMap;
+
+use reports_server_crds::reportsserver::{ExternalPostgresSpec, ReportsServer, ReportsServerSpec};
+use serde_json::{Value, json};
+
+use crate::{MANAGED_BY, OWNER_ANNOTATION};
+
+/// Port the server container listens on.
+pub const SERVER_PORT: i32 = 6443;
+/// Where the serving certificate is mounted.
+const TLS_DIR: &str = "/etc/reports-server/tls";
+/// Where the database CA is mounted (`verify-ca`/`verify-full`).
+const DB_CA_DIR: &str = "/etc/reports-server/db-ca";
+/// Data directory (SQLite file) of the server.
+const DATA_DIR: &str = "/var/lib/reports-server";
+
+/// The database after the operator looked at the spec.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Database {
+    /// Embedded SQLite in a StatefulSet with a PVC.
+    Sqlite {
+        storage_size: String,
+        storage_class: Option<String>,
+    },
+    /// The operator's PostgreSQL StatefulSet; its password is in `<name>-postgres`.
+    ManagedPostgres(reports_server_crds::reportsserver::ManagedPostgresSpec),
+    /// Someone else's PostgreSQL; credentials from a Secret whose keys were checked.
+    ExternalPostgres(ExternalPostgresSpec),
+    /// No database here: the server runs outside the cluster.
+    External,
+}
+
+impl Database {
+    /// The name shown in `status.database.type` and the `Database` printer column.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Database::Sqlite { .. } => "sqlite",
+            Database::ManagedPostgres(_) => "postgres-managed",
+            Database::ExternalPostgres(_) => "postgres-external",
+            Database::External => "external",
+        }
+    }
+}
+
+/// A spec the operator refuses, with the reason for the condition.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidSpec {
+    /// Condition reason (PascalCase).
+    pub reason: &'static str,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+/// Decides the database from the spec, refusing combinations that cannot work instead of
+/// silently changing them.
+pub fn database_of(spec: &ReportsServerSpec) -> Result<Database, InvalidSpec> {
+    let db = &spec.database;
+    if spec.external.is_some() {
+        if db.sqlite.is_some() || db.postgres.is_some() {
+            return Err(InvalidSpec {
+                reason: "InvalidSpec",
+                message: "spec.external runs the server outside the cluster; spec.database must \
+                          stay empty"
+                    .into(),
+            });
+        }
+        return Ok(Database::External);
+    }
+    match (&db.sqlite, &db.postgres) {
+        (Some(_), Some(_)) => Err(InvalidSpec {
+            reason: "InvalidSpec",
+            message: "set only one of spec.database.sqlite and spec.database.postgres".into(),
+        }),
+        (_, Some(pg)) => match (&pg.managed, &pg.external) {
+            (Some(m), None) => Ok(Database::ManagedPostgres(m.clone())),
+            (None, Some(e)) if e.secret_name.is_empty() => Err(InvalidSpec {
+                reason: "InvalidSpec",
+                message: "spec.database.postgres.external.secretName is empty".into(),
+            }),
+            (None, Some(e)) => Ok(Database::ExternalPostgres(e.clone())),
+            _ => Err(InvalidSpec {
+                reason: "InvalidSpec",
+                message: "set exactly one of spec.database.postgres.managed and \
+                          spec.database.postgres.external"
+                    .into(),
+            }),
+        },
+        (sqlite, None) => {
+            if spec.replicas > 1 {
+                return Err(InvalidSpec {
+                    reason: "SqliteSingleReplica",
+                    message: format!(
+                        "spec.replicas is {} but SQLite is a single file that only one pod may \
+                         open; use spec.database.postgres for more than one replica",
+                        spec.replicas
+                    ),
+                });
+            }
+            let sqlite = sqlite.clone().unwrap_or_default();
+            Ok(Database::Sqlite {
+                storage_size: sqlite.storage_size,
+                storage_class: sqlite.storage_class_name,
+            })
+        }
+    }
+}
+
+/// Serving TLS for an in-cluster server.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tls {
+    /// Secret with `tls.crt`/`tls.key` mounted into the pods.
+    pub secret_name: String,
+    /// PEM that goes into the APIServices' `caBundle`.
+    pub ca_pem: String,
+}
+
+/// Everything the builders need besides the ReportsServer.
+#[derive(Clone, Debug)]
+pub struct Inputs<'a> {
+    pub rs: &'a ReportsServer,
+    pub database: Database,
+    /// `None` only for [`Database::External`].
+    pub tls: Option<Tls>,
+    /// CA PEM for the external server's APIServices.
+    pub external_ca_pem: Option<String>,
+    /// Image when the spec has none.
+    pub default_image: &'a str,
+    /// APIServices that exist, are not ours, and must be left alone (no takeover asked).
+    pub foreign_api_services: Vec<String>,
+}
+
+/// The objects of one installation, in apply order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Desired {
+    /// Namespaced objects in the ReportsServer's namespace, owned by it.
+    pub owned: Vec<Value>,
+    /// Cluster-scoped RBAC and the RoleBinding in kube-system (deleted by the finalizer).
+    pub unowned: Vec<Value>,
+    /// The APIServices (deleted first by the finalizer).
+    pub api_services: Vec<Value>,
+}
+
+impl Desired {
+    /// Every object, in apply order: owned, unowned, then APIServices (so a group is routed only
+    /// once what serves it exists).
+    pub fn all(&self) -> impl Iterator<Item = &Value> {
+        self.owned
+            .iter()
+            .chain(self.unowned.iter())
+            .chain(self.api_services.iter())
+    }
+
+    /// All objects as one YAML stream (golden files, `--dry-run` output).
+    pub fn to_yaml(&self) -> String {
+        let mut out = String::new();
+        for o in self.all() {
+            out.push_str("---\n");
+            out.push_str(&serde_yaml::to_string(o).expect("objects serialize"));
+        }
+        out
+    }
+}
+
+fn name_of(rs: &ReportsServer) -> String {
+    rs.metadata.name.clone().unwrap_or_default()
+}
+
+fn ns_of(rs: &ReportsServer) -> String {
+    rs.metadata.namespace.clone().unwrap_or_default()
+}
+
+/// Name used for cluster-scoped objects (unique per ReportsServer).
+pub fn cluster_name(rs: &ReportsServer) -> String {
+    format!("reportsserver:{}:{}", ns_of(rs), name_of(rs))
+}
+
+/// Name of the Service the APIServices point at.
+pub fn service_name(rs: &ReportsServer) -> String {
+    rs.spec
+        .external
+        .as_ref()
+        .and_then(|e| e.service_name.clone())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| name_of(rs))
+}
+
+/// Labels every object of the installation carries.
+pub fn labels(rs: &ReportsServer) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".into(), "reports-server".into()),
+        ("app.kubernetes.io/instance".into(), name_of(rs)),
+        ("app.kubernetes.io/managed-by".into(), MANAGED_BY.into()),
+    ])
+}
+
+fn selector_labels(rs: &ReportsServer) -> Value {
+    json!({"app.kubernetes.io/name": "reports-server", "app.kubernetes.io/instance": name_of(rs)})
+}
+
+fn owner_ref(rs: &ReportsServer) -> Value {
+    json!([{
+        "apiVersion": "reportsserver.io/v1alpha1",
+        "kind": "ReportsServer",
+        "name": name_of(rs),
+        "uid": rs.metadata.uid.clone().unwrap_or_default(),
+        "controller": true,
+        "blockOwnerDeletion": true,
+    }])
+}
+
+fn owned_meta(rs: &ReportsServer, name: &str) -> Value {
+    json!({
+        "name": name,
+        "namespace": ns_of(rs),
+        "labels": labels(rs),
+        "ownerReferences": owner_ref(rs),
+    })
+}
+
+/// Metadata of an object the ReportsServer cannot own: the annotation records the owner so the
+/// finalizer (and the watch on APIServices) can find it.
+fn unowned_meta(rs: &ReportsServer, name: &str, namespace: Option<&str>) -> Value {
+    let mut meta = json!({
+        "name": name,
+        "labels": labels(rs),
+        "annotations": {OWNER_ANNOTATION: format!("{}/{}", ns_of(rs), name_of(rs))},
+    });
+    if let Some(ns) = namespace {
+        meta["namespace"] = json!(ns);
+    }
+    meta
+}
+
+/// Builds every object of the installation.
+pub fn desired(inputs: &Inputs<'_>) -> Desired {
+    let rs = inputs.rs;
+    let mut d = Desired::default();
+    let svc = service_name(rs);
+    match &inputs.database {
+        Database::External => {
+            let ext = rs.spec.external.clone().unwrap_or_default();
+            d.owned.push(json!({
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": owned_meta(rs, &svc),
+                "spec": {
+                    "type": "ExternalName",
+                    "externalName": ext.host,
+                    "ports": [{"name": "https", "port": ext.port, "protocol": "TCP"}],
+                },
+            }));
+            let ca = inputs.external_ca_pem.clone().unwrap_or_default();
+            d.api_services = api_services(inputs, &svc, ext.port, &ca);
+            return d;
+        }
+        Database::ManagedPostgres(pg) => d.owned.extend(managed_postgres(rs, pg)),
+        _ => {}
+    }
+    let tls = inputs
+        .tls
+        .clone()
+        .expect("in-cluster installations have TLS");
+    let name = name_of(rs);
+    d.owned.push(json!({
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": owned_meta(rs, &name),
+    }));
+    d.owned.push(json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": owned_meta(rs, &svc),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(rs),
+            "ports": [{"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"}],
+        },
+    }));
+    d.owned
+        .push(workload(rs, &inputs.database, &tls, inputs.default_image));
+    d.owned.push(json!({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": owned_meta(rs, &name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(rs)}},
+    }));
+    d.unowned.extend(server_rbac(rs));
+    d.api_services = api_services(inputs, &svc, 443, &tls.ca_pem);
+    d
+}
+
+fn api_services(inputs: &Inputs<'_>, svc: &str, port: i32, ca_pem: &str) -> Vec<Value> {
+    use base64::Engine as _;
+    let rs = inputs.rs;
+    let bundle = base64::engine::general_purpose::STANDARD.encode(ca_pem.as_bytes());
+    rs.spec
+        .enabled_groups()
+        .into_iter()
+        .map(|(version, group)| format!("{version}.{group}"))
+        .filter(|name| !inputs.foreign_api_services.contains(name))
+        .map(|name| {
+            let (version, group) = name.split_once('.').expect("version.group");
+            let mut meta = unowned_meta(rs, &name, None);
+            // kube-aggregator's autoregister controller only manages APIServices labelled
+            // automanaged "true"/"onstart"; "false" keeps it from reclaiming a taken-over one.
+            meta["labels"]["kube-aggregator.kubernetes.io/automanaged"] = json!("false");
+            json!({
+                "apiVersion": "apiregistration.k8s.io/v1",
+                "kind": "APIService",
+                "metadata": meta,
+                "spec": {
+                    "group": group,
+                    "version": version,
+                    "groupPriorityMinimum": rs.spec.api_services.group_priority_minimum,
+                    "versionPriority": rs.spec.api_services.version_priority,
+                    "service": {"namespace": ns_of(rs), "name": svc, "port": port},
+                    "caBundle": bundle,
+                },
+            })
+        })
+        .collect()
+}
+
+/// The server's own RBAC: delegated authentication and authorization, namespaces, leases,
+/// Kyverno policies (to drop results of deleted policies), and `get` on any object (to adopt
+/// admission reports written before their subject had a UID).
+fn server_rbac(rs: &ReportsServer) -> Vec<Value> {
+    let cluster = cluster_name(rs);
+    let subject = json!([{"kind": "ServiceAccount", "name": name_of(rs), "namespace": ns_of(rs)}]);
+    vec![
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": unowned_meta(rs, &cluster, None),
+            "rules": [
+                {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+                {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
+                {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+                {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "list", "watch", "create", "update"]},
+                {"apiGroups": ["kyverno.io", "policies.kyverno.io"], "resources": ["*"], "verbs": ["get", "list", "watch"]},
+                {"apiGroups": ["*"], "resources": ["*"], "verbs": ["get"]},
+            ],
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": unowned_meta(rs, &cluster, None),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster},
+            "subjects": subject,
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": unowned_meta(rs, &format!("{cluster}:auth-delegator"), None),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:auth-delegator"},
+            "subjects": subject,
+        }),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": unowned_meta(rs, &format!("{cluster}:auth-reader"), Some("kube-system")),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "extension-apiserver-authentication-reader"},
+            "subjects": subject,
+        }),
+    ]
+}
+
+/// Name of the managed PostgreSQL's StatefulSet, Service and password Secret.
+pub fn postgres_name(rs: &ReportsServer) -> String {
+    format!("{}-postgres", name_of(rs))
+}
+
+/// Name of the generated serving-certificate Secret.
+pub fn tls_secret_name(rs: &ReportsServer) -> String {
+    format!("{}-tls", name_of(rs))
+}
+
+/// Name of the generated CA Secret.
+pub fn ca_secret_name(rs: &ReportsServer) -> String {
+    format!("{}-ca", name_of(rs))
+}
+
+fn managed_postgres(
+    rs: &ReportsServer,
+    pg: &reports_server_crds::reportsserver::ManagedPostgresSpec,
+) -> Vec<Value> {
+    let name = postgres_name(rs);
+    let sel =
+        json!({"app.kubernetes.io/name": "postgres", "app.kubernetes.io/instance": name_of(rs)});
+    let mut meta = owned_meta(rs, &name);
+    meta["labels"]["app.kubernetes.io/name"] = json!("postgres");
+    let mut claim = json!({
+        "metadata": {"name": "data"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": pg.storage_size}}},
+    });
+    if let Some(class) = &pg.storage_class_name {
+        claim["spec"]["storageClassName"] = json!(class);
+    }
+    let mut container = json!({
+        "name": "postgres",
+        "image": pg.image,
+        "env": [
+            {"name": "POSTGRES_DB", "value": "reports"},
+            {"name": "POSTGRES_USER", "value": "reports"},
+            {"name": "POSTGRES_PASSWORD", "valueFrom": {"secretKeyRef": {"name": name, "key": "password"}}},
+            {"name": "PGDATA", "value": "/var/lib/postgresql/data/pgdata"},
+        ],
+        "ports": [{"name": "postgres", "containerPort": 5432}],
+        "readinessProbe": {"exec": {"command": ["pg_isready", "-U", "reports", "-d", "reports"]}, "periodSeconds": 5},
+        "volumeMounts": [{"name": "data", "mountPath": "/var/lib/postgresql/data"}],
+    });
+    if let Some(r) = &pg.resources {
+        container["resources"] = serde_json::to_value(r).expect("resources serialize");
+    }
+    vec![
+        json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {"selector": sel, "ports": [{"name": "postgres", "port": 5432, "targetPort": "postgres"}]},
+        }),
+        json!({
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": meta,
+            "spec": {
+                "serviceName": name,
+                "replicas": 1,
+                "selector": {"matchLabels": sel},
+                "template": {
+                    "metadata": {"labels": sel},
+                    "spec": {"securityContext": {"fsGroup": 999}, "containers": [container]},
+                },
+                "volumeClaimTemplates": [claim],
+            },
+        }),
+    ]
+}
+
+fn env_secret(name: &str, secret: &str, key: &str) -> Value {
+    json!({"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+}
+
+/// The server's database environment (never a password in plain text).
+fn database_env(rs: &ReportsServer, db: &Database) -> (Vec<Value>, Vec<Value>, Vec<Value>) {
+    let (mut env, mut mounts, mut volumes) = (Vec::new(), Vec::new(), Vec::new());
+    match db {
+        Database::Sqlite { .. } | Database::External => {}
+        Database::ManagedPostgres(_) => {
+            let pg = postgres_name(rs);
+            env.push(json!({"name": "DB_HOST", "value": format!("{pg}.{}.svc", ns_of(rs))}));
+            env.push(json!({"name": "DB_PORT", "value": "5432"}));
+            env.push(json!({"name": "DB_DATABASE", "value": "reports"}));
+            env.push(json!({"name": "DB_USER", "value": "reports"}));
+            env.push(env_secret("DB_PASSWORD", &pg, "password"));
+        }
+        Database::ExternalPostgres(e) => {
+            if let Some(url_key) = &e.url_key {
+                env.push(env_secret(
+                    "REPORTS_SERVER_DATABASE_URL",
+                    &e.secret_name,
+                    url_key,
+                ));
+            } else {
+                let s = &e.secret_name;
+                env.push(env_secret("DB_HOST", s, &e.host_key));
+                env.push(json!({"name": "DB_PORT", "valueFrom": {"secretKeyRef": {"name": s, "key": e.port_key, "optional": true}}}));
+                env.push(env_secret("DB_DATABASE", s, &e.database_key));
+                env.push(env_secret("DB_USER", s, &e.user_key));
+                env.push(env_secret("DB_PASSWORD", s, &e.password_key));
+                let mut query = format!("sslmode={}", e.ssl_mode);
+                if let Some(ca) = &e.ca_secret {
+                    let key = if ca.key.is_empty() { "ca.crt" } else { &ca.key };
+                    query.push_str(&format!("&sslrootcert={DB_CA_DIR}/{key}"));
+                    mounts.push(json!({"name": "db-ca", "mountPath": DB_CA_DIR, "readOnly": true}));
+                    volumes.push(json!({"name": "db-ca", "secret": {"secretName": ca.name}}));
+                }
+                // Kubernetes expands $(VAR) from the variables defined above.
+                env.push(json!({
+                    "name": "REPORTS_SERVER_DATABASE_URL",
+                    "value": format!("postgres://$(DB_USER):$(DB_PASSWORD)@$(DB_HOST):$(DB_PORT)/$(DB_DATABASE)?{query}"),
+                }));
+            }
+        }
+    }
+    (env, mounts, volumes)
+}
+
+/// `reports-server serve` arguments for the spec.
+pub fn server_args(spec: &ReportsServerSpec, db: &Database) -> Vec<String> {
+    let a = &spec.aggregation;
+    let mut args: Vec<String> = vec![
+        "serve".into(),
+        "--auth-mode=delegated".into(),
+        "--bind-address=0.0.0.0".into(),
+        format!("--secure-port={SERVER_PORT}"),
+        format!("--tls-cert-file={TLS_DIR}/tls.crt"),
+        format!("--tls-private-key-file={TLS_DIR}/tls.key"),
+        format!(
+            "--data-dir={}",
+            if matches!(db, Database::Sqlite { .. }) {
+                DATA_DIR
+            } else {
+                "/tmp"
+            }
+        ),
+        format!("--aggregation={}", a.enabled),
+    ];
+    if a.enabled {
+        args.push(format!("--aggregation-delay={}", a.delay));
+        args.push(format!("--aggregation-layout={}", a.layout));
+        args.push(format!("--chunk-size={}", a.chunk_size));
+        args.push(format!("--aggregation-workers={}", a.workers));
+    }
+    args.extend(spec.extra_args.iter().cloned());
+    args
+}
+
+fn workload(rs: &ReportsServer, db: &Database, tls: &Tls, default_image: &str) -> Value {
+    let spec = &rs.spec;
+    let name = name_of(rs);
+    let (mut env, mut mounts, mut volumes) = database_env(rs, db);
+    env.extend(
+        spec.extra_env
+            .iter()
+            .map(|e| serde_json::to_value(e).expect("env serializes")),
+    );
+    mounts.push(json!({"name": "tls", "mountPath": TLS_DIR, "readOnly": true}));
+    mounts.push(json!({"name": "tmp", "mountPath": "/tmp"}));
+    volumes.push(json!({"name": "tls", "secret": {"secretName": tls.secret_name}}));
+    volumes.push(json!({"name": "tmp", "emptyDir": {}}));
+    let probe = |path: &str, failures: i32| json!({"httpGet": {"path": path, "port": "https", "scheme": "HTTPS"}, "periodSeconds": 5, "failureThreshold": failures});
+    let mut container = json!({
+        "name": "reports-server",
+        "image": spec.image.clone().unwrap_or_else(|| default_image.to_owned()),
+        "imagePullPolicy": spec.image_pull_policy.clone().unwrap_or_else(|| "IfNotPresent".into()),
+        "args": server_args(spec, db),
+        "ports": [{"name": "https", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        // /livez answers while the database is down (the process is fine); /readyz does not, so
+        // a pod that cannot reach the database leaves the Service instead of being killed.
+        "livenessProbe": probe("/livez", 6),
+        "readinessProbe": probe("/readyz", 3),
+        "securityContext": {
+            "allowPrivilegeEscalation": false,
+            "readOnlyRootFilesystem": true,
+            "runAsNonRoot": true,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": mounts,
+    });
+    if !env.is_empty() {
+        container["env"] = json!(env);
+    }
+    if let Some(r) = &spec.resources {
+        container["resources"] = serde_json::to_value(r).expect("resources serialize");
+    }
+    let mut pod = json!({
+        "serviceAccountName": name,
+        "priorityClassName": spec.priority_class_name.clone().unwrap_or_else(|| "system-cluster-critical".into()),
+        "securityContext": {"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532},
+        "containers": [container],
+        "volumes": volumes,
+    });
+    if !spec.node_selector.is_empty() {
+        pod["nodeSelector"] = json!(spec.node_selector);
+    }
+    if !spec.tolerations.is_empty() {
+        pod["tolerations"] = serde_json::to_value(&spec.tolerations).expect("serialize");
+    }
+    if let Some(a) = &spec.affinity {
+        pod["affinity"] = serde_json::to_value(a).expect("serialize");
+    }
+    let template = json!({"metadata": {"labels": selector_labels(rs)}, "spec": pod});
+    match db {
+        Database::Sqlite {
+            storage_size,
+            storage_class,
+        } => {
+            let mut template = template;
+            template["spec"]["containers"][0]["volumeMounts"]
+                .as_array_mut()
+                .expect("mounts")
+                .push(json!({"name": "data", "mountPath": DATA_DIR}));
+            let mut claim = json!({
+                "metadata": {"name": "data"},
+                "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": storage_size}}},
+            });
+            if let Some(class) = storage_class {
+                claim["spec"]["storageClassName"] = json!(class);
+            }
+            json!({
+                "apiVersion": "apps/v1",
+                "kind": "StatefulSet",
+                "metadata": owned_meta(rs, &name),
+                "spec": {
+                    "serviceName": service_name(rs),
+                    "replicas": 1,
+                    "selector": {"matchLabels": selector_labels(rs)},
+                    "template": template,
+                    "volumeClaimTemplates": [claim],
+                    "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Retain", "whenScaled": "Retain"},
+                },
+            })
+        }
+        _ => json!({
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": owned_meta(rs, &name),
+            "spec": {
+                "replicas": spec.replicas,
+                "selector": {"matchLabels": selector_labels(rs)},
+                // Never fewer ready pods than asked for during a rollout: the APIServices keep
+                // pointing at the Service, and the Service always has a ready endpoint.
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                "template": template,
+            },
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reports_server_crds::reportsserver::*;
+
+    fn rs(spec: ReportsServerSpec) -> ReportsServer {
+        let mut rs = ReportsServer::new("rs", spec);
+        rs.metadata.namespace = Some("reports".into());
+        rs
+    }
+
+    #[test]
+    fn sqlite_with_two_replicas_is_refused_with_a_reason() {
+        let err = database_of(&ReportsServerSpec {
+            replicas: 2,
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert_eq!(err.reason, "SqliteSingleReplica");
+        assert!(err.message.contains("postgres"), "{}", err.message);
+    }
+
+    #[test]
+    fn postgres_needs_exactly_one_mode() {
+        let spec = ReportsServerSpec {
+            database: DatabaseSpec {
+                postgres: Some(PostgresSpec::default()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        assert_eq!(database_of(&spec).unwrap_err().reason, "InvalidSpec");
+    }
+
+    #[test]
+    fn foreign_api_services_are_left_out() {
+        let r = rs(ReportsServerSpec {
+            external: Some(ExternalSpec {
+                host: "localhost".into(),
+                port: 6443,
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let d = desired(&Inputs {
+            rs: &r,
+            database: Database::External,
+            tls: None,
+            external_ca_pem: Some("PEM".into()),
+            default_image: "img",
+            foreign_api_services: vec!["v1.reports.kyverno.io".into()],
+        });
+        let names: Vec<&str> = d
+            .api_services
+            .iter()
+            .map(|a| a["metadata"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            ["v1alpha2.wgpolicyk8s.io", "v1alpha1.openreports.io"]
+        );
+        assert!(d.unowned.is_empty());
+    }
+}

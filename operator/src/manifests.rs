@@ -1,0 +1,309 @@
+//! The operator's own install objects (`manifests/`): Namespace, the ReportsServer CRD, the
+//! operator's ServiceAccount, least-privilege RBAC and Deployment; the kustomization, the Helm
+//! chart and the examples.
+//!
+//! Why generated: the RBAC must be exactly what [`crate::controller`] calls (plus the
+//! permissions it grants to the servers it creates — Kubernetes refuses to let anyone grant
+//! more than they hold, hence `bind`/`escalate` on the server's role names), the CRD must be
+//! the Rust types', and the Helm chart must not drift from install.yaml. One function renders
+//! every file; `operator/tests/manifests.rs` fails when a committed file differs
+//! (`UPDATE_GENERATED=1` rewrites them).
+
+use std::collections::BTreeMap;
+
+use serde_json::{Value, json};
+
+/// Namespace of the operator in install.yaml.
+pub const NAMESPACE: &str = "reports-server";
+/// Name of the operator's ServiceAccount, ClusterRole, Deployment and Lease.
+pub const NAME: &str = "reports-server-operator";
+/// The image of the operator (and, by default, of the servers).
+pub const IMAGE: &str = crate::DEFAULT_IMAGE;
+/// Metrics and health port.
+pub const METRICS_PORT: i32 = 8080;
+
+/// Placeholders replaced by Helm template expressions in the chart.
+const NS_MARK: &str = "__RS_NAMESPACE__";
+const IMAGE_MARK: &str = "__RS_IMAGE__";
+
+fn labels() -> Value {
+    json!({"app.kubernetes.io/name": NAME, "app.kubernetes.io/part-of": "reports-server"})
+}
+
+fn all_verbs() -> Value {
+    json!([
+        "get", "list", "watch", "create", "update", "patch", "delete"
+    ])
+}
+
+/// The operator's ClusterRole rules.
+pub fn operator_rules() -> Value {
+    json!([
+        {"apiGroups": ["reportsserver.io"], "resources": ["reportsservers"], "verbs": ["get", "list", "watch", "patch", "update"]},
+        {"apiGroups": ["reportsserver.io"], "resources": ["reportsservers/status"], "verbs": ["get", "patch", "update"]},
+        {"apiGroups": ["reportsserver.io"], "resources": ["reportsservers/finalizers"], "verbs": ["update"]},
+        {"apiGroups": [""], "resources": ["services", "serviceaccounts", "secrets"], "verbs": all_verbs()},
+        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": all_verbs()},
+        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": all_verbs()},
+        {"apiGroups": ["apiregistration.k8s.io"], "resources": ["apiservices"], "verbs": all_verbs()},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles", "clusterrolebindings", "rolebindings"], "verbs": all_verbs()},
+        // Granting the servers' roles: `escalate` for the server ClusterRole the operator
+        // writes, `bind` for binding it and the two built-in roles of delegated auth.
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"], "verbs": ["bind", "escalate"]},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"], "verbs": ["bind"], "resourceNames": ["extension-apiserver-authentication-reader"]},
+        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    ])
+}
+
+fn with_ns(mut obj: Value, ns: &str) -> Value {
+    obj["metadata"]["namespace"] = json!(ns);
+    obj
+}
+
+/// The objects of install.yaml, with `ns` as namespace and `image` as image.
+fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> Vec<Value> {
+    let sa = json!([{"kind": "ServiceAccount", "name": NAME, "namespace": ns}]);
+    vec![
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+               "metadata": {"name": NAME, "labels": labels()}, "rules": operator_rules()}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": NAME, "labels": labels()},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
+               "subjects": sa}),
+        with_ns(
+            json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": NAME, "labels": labels()}}),
+            ns,
+        ),
+        with_ns(
+            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": {"name": NAME, "labels": labels()},
+               "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]}),
+            ns,
+        ),
+        with_ns(
+            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": NAME, "labels": labels()},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": NAME},
+               "subjects": sa}),
+            ns,
+        ),
+        with_ns(
+            json!({"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": NAME, "labels": labels()},
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": {"app.kubernetes.io/name": NAME}},
+                "template": {
+                    "metadata": {"labels": labels()},
+                    "spec": {
+                        "serviceAccountName": NAME,
+                        "securityContext": {"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
+                        "containers": [{
+                            "name": "operator",
+                            "image": image,
+                            "args": ["operator"],
+                            "env": [
+                                {"name": "REPORTS_SERVER_OPERATOR_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                                {"name": "REPORTS_SERVER_OPERATOR_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                                {"name": "REPORTS_SERVER_OPERATOR_SERVER_IMAGE", "value": image},
+                            ],
+                            "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
+                            "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10},
+                            "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
+                            "resources": resources,
+                            "securityContext": {"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true, "capabilities": {"drop": ["ALL"]}},
+                        }],
+                    },
+                },
+            }}),
+            ns,
+        ),
+    ]
+}
+
+fn yaml_stream(objects: &[Value]) -> String {
+    let mut out = String::new();
+    for o in objects {
+        out.push_str("---\n");
+        out.push_str(&serde_yaml::to_string(o).expect("objects serialize"));
+    }
+    out
+}
+
+fn default_resources() -> Value {
+    json!({"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}})
+}
+
+/// `manifests/install.yaml`.
+pub fn install_yaml() -> String {
+    let mut out = yaml_stream(&[json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": NAMESPACE, "labels": labels()}})]);
+    out.push_str(&reports_server_crds::reportsserver::crd_yaml());
+    out.push_str(&yaml_stream(&install_objects(
+        NAMESPACE,
+        IMAGE,
+        json!(1),
+        default_resources(),
+    )));
+    out
+}
+
+/// The four examples, by file name.
+pub fn examples() -> BTreeMap<&'static str, String> {
+    let header = |what: &str| {
+        format!(
+            "# {what}\n# Apply after manifests/install.yaml; watch with `kubectl get rsrv -n reports-server -w`.\n"
+        )
+    };
+    let rs = |name: &str, spec: Value| {
+        serde_yaml::to_string(&json!({
+            "apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+            "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec,
+        }))
+        .expect("serializes")
+    };
+    BTreeMap::from([
+        ("sqlite.yaml", format!("{}{}", header("One replica with embedded SQLite on a 1Gi PersistentVolumeClaim (the defaults: `spec: {}` is the same)."),
+            rs("reports-server", json!({"database": {"sqlite": {"storageSize": "1Gi"}}})))),
+        ("postgres-managed.yaml", format!("{}{}", header("Two replicas on a PostgreSQL StatefulSet the operator runs (password generated into Secret reports-server-postgres)."),
+            rs("reports-server", json!({"replicas": 2, "database": {"postgres": {"managed": {"storageSize": "8Gi"}}}})))),
+        ("postgres-external.yaml", format!("{}{}---\n{}", header("Two replicas on your PostgreSQL; credentials from Secret reports-db (edit it first)."),
+            serde_yaml::to_string(&json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "reports-db", "namespace": NAMESPACE},
+                "stringData": {"host": "postgres.example.com", "port": "5432", "database": "reports", "username": "reports", "password": "change-me"}})).expect("serializes"),
+            rs("reports-server", json!({"replicas": 2, "database": {"postgres": {"external": {"secretName": "reports-db", "sslMode": "require"}}}})))),
+        ("external-server.yaml", format!("{}{}", header("A server running outside the cluster (e.g. `reports-server serve --auth-mode delegated` next to the control plane): \
+             no pods, the APIServices point at an ExternalName Service. Replace host, port and caBundle; the server certificate must name reports-server.reports-server.svc."),
+            rs("reports-server", json!({"external": {"host": "localhost", "port": 6443,
+                "caBundle": "-----BEGIN CERTIFICATE-----\nREPLACE WITH THE PEM OF THE CA THAT SIGNED THE SERVER CERTIFICATE\n-----END CERTIFICATE-----\n"}})))),
+    ])
+}
+
+/// `manifests/kustomization.yaml`.
+pub fn kustomization_yaml() -> String {
+    "# kubectl apply -k manifests (or reference this directory from your own kustomization)\n\
+     apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n- install.yaml\n"
+        .to_string()
+}
+
+/// The Helm chart's files, by path under `manifests/helm/reports-server/`.
+pub fn helm_chart() -> BTreeMap<&'static str, String> {
+    let version = env!("CARGO_PKG_VERSION");
+    let objects = install_objects(
+        NS_MARK,
+        IMAGE_MARK,
+        json!("__RS_REPLICAS__"),
+        json!("__RS_RESOURCES__"),
+    );
+    let mut templates = yaml_stream(&objects);
+    templates = templates
+        .replace(NS_MARK, "{{ .Release.Namespace }}")
+        .replace(
+            IMAGE_MARK,
+            "{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}",
+        )
+        .replace(
+            "replicas: __RS_REPLICAS__",
+            "replicas: {{ .Values.replicas }}",
+        )
+        .replace(
+            "resources: __RS_RESOURCES__",
+            "resources:\n              {{- toYaml .Values.resources | nindent 14 }}",
+        );
+    // Operator flags from values: appended to args.
+    templates = templates.replace(
+        "        - operator\n",
+        "        - operator\n        {{- range .Values.extraArgs }}\n        - {{ . | quote }}\n        {{- end }}\n",
+    );
+    templates = templates.replace(
+        "        image: {{ .Values.image.repository }}",
+        "        imagePullPolicy: {{ .Values.image.pullPolicy }}\n        image: {{ .Values.image.repository }}",
+    );
+    BTreeMap::from([
+        (
+            "Chart.yaml",
+            format!(
+                "apiVersion: v2\nname: reports-server\ndescription: The reports-server operator (ReportsServer CRD, RBAC, Deployment). Apply a ReportsServer to install a server.\ntype: application\nversion: {version}\nappVersion: \"{version}\"\n"
+            ),
+        ),
+        (
+            "values.yaml",
+            format!(
+                "# Image of the operator (the servers default to the same image).\nimage:\n  repository: reports-server\n  tag: \"\"\n  pullPolicy: IfNotPresent\n# Operator replicas (one leads through a Lease; the others stand by).\nreplicas: 1\nresources:\n{}# Extra operator flags, e.g. [\"--watch-namespace=reports-server\"] (see `reports-server operator --help`).\nextraArgs: []\n",
+                serde_yaml::to_string(&default_resources())
+                    .expect("serializes")
+                    .lines()
+                    .map(|l| format!("  {l}\n"))
+                    .collect::<String>()
+            ),
+        ),
+        (
+            "crds/reportsserver.yaml",
+            reports_server_crds::reportsserver::crd_yaml(),
+        ),
+        ("templates/operator.yaml", templates),
+    ])
+}
+
+/// Argo CD health check for `reportsserver.io/ReportsServer` (Lua), shared by the
+/// `argocd-cm` snippet and the Lua test runner.
+pub const ARGOCD_HEALTH_LUA: &str = r#"-- Argo CD health check for reportsserver.io/ReportsServer.
+-- Progressing until the operator has observed the current generation; then Degraded when
+-- Degraded (or Stalled) is True, Healthy when Ready is True, Progressing otherwise.
+local hs = { status = "Progressing", message = "Waiting for the operator" }
+if obj.status == nil then
+  return hs
+end
+if obj.status.observedGeneration == nil or obj.metadata.generation == nil
+    or obj.status.observedGeneration < obj.metadata.generation then
+  hs.message = "Waiting for the operator to observe generation " .. tostring(obj.metadata.generation)
+  return hs
+end
+local ready, degraded
+for _, c in ipairs(obj.status.conditions or {}) do
+  if c.type == "Ready" then ready = c end
+  if (c.type == "Degraded" or c.type == "Stalled") and c.status == "True" then degraded = c end
+end
+if degraded ~= nil then
+  hs.status = "Degraded"
+  hs.message = (degraded.reason or "") .. ": " .. (degraded.message or "")
+  return hs
+end
+if ready ~= nil and ready.status == "True" then
+  hs.status = "Healthy"
+  hs.message = ready.message or "Ready"
+  return hs
+end
+if ready ~= nil then
+  hs.message = (ready.reason or "") .. ": " .. (ready.message or "")
+end
+return hs
+"#;
+
+/// `manifests/argocd/argocd-cm-patch.yaml`: the health check as an `argocd-cm` patch.
+pub fn argocd_cm_patch() -> String {
+    let mut lua = String::new();
+    for line in ARGOCD_HEALTH_LUA.lines() {
+        lua.push_str("    ");
+        lua.push_str(line);
+        lua.push('\n');
+    }
+    format!(
+        "# Merge into Argo CD's argocd-cm ConfigMap, e.g.\n#   kubectl -n argocd patch configmap argocd-cm --patch-file manifests/argocd/argocd-cm-patch.yaml\napiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: argocd-cm\n  namespace: argocd\ndata:\n  resource.customizations.health.reportsserver.io_ReportsServer: |\n{lua}"
+    )
+}
+
+/// Every generated file, by path relative to `manifests/`.
+pub fn all_files() -> BTreeMap<String, String> {
+    let mut files = BTreeMap::new();
+    files.insert("install.yaml".into(), install_yaml());
+    files.insert("kustomization.yaml".into(), kustomization_yaml());
+    for (name, text) in examples() {
+        files.insert(format!("examples/{name}"), text);
+    }
+    for (name, text) in helm_chart() {
+        files.insert(format!("helm/reports-server/{name}"), text);
+    }
+    files.insert("argocd/health.lua".into(), ARGOCD_HEALTH_LUA.into());
+    files.insert("argocd/argocd-cm-patch.yaml".into(), argocd_cm_patch());
+    files
+}

@@ -1,0 +1,541 @@
+//! Reconcile paths against a mocked API server (`tower_test::mock`, as in controller-rs).
+//!
+//! The mock is a small in-memory API server rather than a fixed script of requests: it answers
+//! GET/POST/PUT/PATCH (apply, merge, JSON patch)/DELETE on any path from a map of objects and
+//! records every call. Each test then asserts what the reconciler did (which objects it
+//! applied, in which order it deleted, what status it wrote) without pinning incidental call
+//! order. APIServices it applies come back `Available=True` and workloads come back ready,
+//! as kube-aggregator and the kubelet would eventually report.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use http::{Request, Response};
+use kube::Client;
+use kube::client::Body;
+use reports_server_crds::reportsserver::*;
+use reports_server_operator::http::Metrics;
+use reports_server_operator::{Context, OperatorConfig, controller};
+use serde_json::{Value, json};
+
+#[derive(Default)]
+struct State {
+    objects: BTreeMap<String, Value>,
+    calls: Vec<(String, String)>,
+    rv: u64,
+}
+
+type Shared = Arc<Mutex<State>>;
+
+const RS_PATH: &str =
+    "/apis/reportsserver.io/v1alpha1/namespaces/reports-server/reportsservers/reports-server";
+
+fn not_found(path: &str) -> (u16, Value) {
+    (
+        404,
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": format!("{path} not found")}),
+    )
+}
+
+/// Object path without query, e.g. `/api/v1/namespaces/x/secrets/y`.
+fn object_path(path: &str, body: &Value) -> String {
+    match body["metadata"]["name"].as_str() {
+        Some(name) if !path.ends_with(name) => format!("{path}/{name}"),
+        _ => path.to_string(),
+    }
+}
+
+fn handle(state: &Shared, method: &str, uri: &http::Uri, body: Vec<u8>) -> (u16, Value) {
+    let path = uri.path().to_string();
+    let query = uri.query().unwrap_or_default().to_string();
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let mut s = state.lock().unwrap();
+    s.calls
+        .push((method.to_string(), format!("{path}?{query}")));
+    s.rv += 1;
+    let rv = s.rv.to_string();
+    if path.contains("/events") {
+        return (201, body);
+    }
+    match method {
+        "GET" => match s.objects.get(&path) {
+            Some(o) => (200, o.clone()),
+            None => not_found(&path),
+        },
+        "POST" => {
+            let key = object_path(&path, &body);
+            if s.objects.contains_key(&key) {
+                return (
+                    409,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "AlreadyExists", "code": 409}),
+                );
+            }
+            let mut o = body;
+            o["metadata"]["resourceVersion"] = json!(rv);
+            s.objects.insert(key, o.clone());
+            (201, o)
+        }
+        "PUT" => {
+            let mut o = body;
+            o["metadata"]["resourceVersion"] = json!(rv);
+            s.objects.insert(path, o.clone());
+            (200, o)
+        }
+        "DELETE" => match s.objects.remove(&path) {
+            Some(o) => (200, o),
+            None => not_found(&path),
+        },
+        "PATCH" if path.ends_with("/status") => {
+            let key = path.trim_end_matches("/status").to_string();
+            let Some(o) = s.objects.get_mut(&key) else {
+                return not_found(&key);
+            };
+            json_patch::merge(o, &body);
+            (200, o.clone())
+        }
+        "PATCH" if query.contains("fieldManager") => {
+            // Server-side apply: the applied object plus what the cluster would report.
+            let mut o = body;
+            let prev_gen = s
+                .objects
+                .get(&path)
+                .and_then(|p| p["metadata"]["generation"].as_i64())
+                .unwrap_or(0);
+            o["metadata"]["resourceVersion"] = json!(rv);
+            o["metadata"]["generation"] = json!(prev_gen + 1);
+            match o["kind"].as_str() {
+                Some("APIService") => {
+                    o["status"] = json!({"conditions": [{"type": "Available", "status": "True", "reason": "Passed", "message": "all checks passed", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+                }
+                Some("Deployment") | Some("StatefulSet") => {
+                    let n = o["spec"]["replicas"].as_i64().unwrap_or(1);
+                    o["status"] = json!({"observedGeneration": prev_gen + 1, "readyReplicas": n, "updatedReplicas": n, "replicas": n});
+                }
+                _ => {}
+            }
+            s.objects.insert(path, o.clone());
+            (200, o)
+        }
+        "PATCH" => {
+            let Some(o) = s.objects.get_mut(&path) else {
+                return not_found(&path);
+            };
+            let patch: json_patch::Patch = serde_json::from_value(body).expect("a JSON patch");
+            // kube-apiserver's JSON patch treats a missing field as null for `test`.
+            if o["metadata"].get("finalizers").is_none() {
+                o["metadata"]["finalizers"] = Value::Null;
+            }
+            if json_patch::patch(o, &patch).is_err() {
+                return (
+                    422,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 422}),
+                );
+            }
+            o["metadata"]["resourceVersion"] = json!(rv);
+            (200, o.clone())
+        }
+        _ => (405, Value::Null),
+    }
+}
+
+fn mock_client(state: Shared) -> Client {
+    let (service, mut handle_) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    tokio::spawn(async move {
+        use http_body_util::BodyExt;
+        while let Some((request, send)) = handle_.next_request().await {
+            let (parts, body) = request.into_parts();
+            let bytes = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes().to_vec())
+                .unwrap_or_default();
+            let (code, value) = handle(&state, parts.method.as_str(), &parts.uri, bytes);
+            let response = Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(Body::from(serde_json::to_vec(&value).unwrap()))
+                .unwrap();
+            send.send_response(response);
+        }
+    });
+    Client::new(service, "default")
+}
+
+struct Fixture {
+    state: Shared,
+    ctx: Arc<Context>,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let state: Shared = Arc::default();
+        let client = mock_client(state.clone());
+        let ctx = Arc::new(Context::new(
+            client,
+            OperatorConfig::default(),
+            Metrics::new(),
+        ));
+        Fixture { state, ctx }
+    }
+
+    fn put(&self, path: &str, obj: Value) {
+        self.state.lock().unwrap().objects.insert(path.into(), obj);
+    }
+
+    fn get(&self, path: &str) -> Option<Value> {
+        self.state.lock().unwrap().objects.get(path).cloned()
+    }
+
+    fn calls(&self) -> Vec<(String, String)> {
+        std::mem::take(&mut self.state.lock().unwrap().calls)
+    }
+
+    /// Stores the ReportsServer (with the finalizer already added, generation `generation`).
+    fn put_rs(&self, spec: Value, generation: i64) {
+        let mut rs = json!({
+            "apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+            "metadata": {"name": "reports-server", "namespace": "reports-server", "uid": "uid-1",
+                         "generation": generation, "resourceVersion": "1",
+                         "finalizers": ["reportsserver.io/cleanup"]},
+            "spec": spec,
+        });
+        if let Some(old) = self.get(RS_PATH)
+            && !old["status"].is_null()
+        {
+            rs["status"] = old["status"].clone();
+        }
+        self.put(RS_PATH, rs);
+    }
+
+    async fn reconcile(&self) -> kube::runtime::controller::Action {
+        let rs: ReportsServer = serde_json::from_value(self.get(RS_PATH).unwrap()).unwrap();
+        controller::reconcile(Arc::new(rs), self.ctx.clone())
+            .await
+            .expect("reconcile succeeds")
+    }
+
+    fn condition(&self, type_: &str) -> Value {
+        let rs = self.get(RS_PATH).unwrap();
+        rs["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == type_).cloned())
+            .unwrap_or(Value::Null)
+    }
+}
+
+const CA: &str = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n";
+
+fn apiservice_path(name: &str) -> String {
+    format!("/apis/apiregistration.k8s.io/v1/apiservices/{name}")
+}
+
+fn applied(calls: &[(String, String)]) -> Vec<String> {
+    calls
+        .iter()
+        .filter(|(m, p)| m == "PATCH" && p.contains("fieldManager=reports-server-operator"))
+        .map(|(_, p)| p.split('?').next().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn fresh_install_adds_the_finalizer_then_applies_and_becomes_ready() {
+    let f = Fixture::new();
+    // As created by kubectl: no finalizer yet.
+    f.put(
+        RS_PATH,
+        json!({"apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+               "metadata": {"name": "reports-server", "namespace": "reports-server", "uid": "uid-1", "generation": 1, "resourceVersion": "1"},
+               "spec": {}}),
+    );
+    f.reconcile().await;
+    assert_eq!(
+        f.get(RS_PATH).unwrap()["metadata"]["finalizers"],
+        json!(["reportsserver.io/cleanup"])
+    );
+    assert!(
+        applied(&f.calls()).is_empty(),
+        "nothing is applied before the finalizer is in place"
+    );
+
+    f.reconcile().await;
+    let paths = applied(&f.calls());
+    for path in [
+        "/api/v1/namespaces/reports-server/secrets/reports-server-ca",
+        "/api/v1/namespaces/reports-server/secrets/reports-server-tls",
+        "/api/v1/namespaces/reports-server/serviceaccounts/reports-server",
+        "/api/v1/namespaces/reports-server/services/reports-server",
+        "/apis/apps/v1/namespaces/reports-server/statefulsets/reports-server",
+        "/apis/policy/v1/namespaces/reports-server/poddisruptionbudgets/reports-server",
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles/reportsserver:reports-server:reports-server",
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/kube-system/rolebindings/reportsserver:reports-server:reports-server:auth-reader",
+    ] {
+        assert!(
+            paths.contains(&path.to_string()),
+            "{path} not applied: {paths:#?}"
+        );
+    }
+    // The APIServices come last, once what serves them exists.
+    let first_api = paths
+        .iter()
+        .position(|p| p.contains("apiservices"))
+        .unwrap();
+    assert!(
+        paths[first_api..].iter().all(|p| p.contains("apiservices")),
+        "{paths:#?}"
+    );
+    let ca = f
+        .get("/api/v1/namespaces/reports-server/secrets/reports-server-ca")
+        .unwrap();
+    let api = f.get(&apiservice_path("v1alpha2.wgpolicyk8s.io")).unwrap();
+    use base64::Engine as _;
+    let bundle = base64::engine::general_purpose::STANDARD
+        .decode(api["spec"]["caBundle"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(
+        String::from_utf8(bundle).unwrap(),
+        ca["stringData"]["ca.crt"].as_str().unwrap()
+    );
+    assert!(api["spec"].get("insecureSkipTLSVerify").is_none());
+
+    let ready = f.condition("Ready");
+    assert_eq!(ready["status"], "True", "{ready}");
+    let rs = f.get(RS_PATH).unwrap();
+    assert_eq!(rs["status"]["observedGeneration"], 1);
+    assert_eq!(rs["status"]["database"]["type"], "sqlite");
+    assert_eq!(rs["status"]["groups"].as_array().unwrap().len(), 3);
+
+    // A second pass changes nothing in status (no status write, no new transition).
+    f.reconcile().await;
+    let calls = f.calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|(m, p)| m == "PATCH" && p.contains("/status")),
+        "{calls:#?}"
+    );
+    assert!(
+        !applied(&calls).iter().any(|p| p.contains("secrets")),
+        "certificates are reused, not reissued"
+    );
+}
+
+#[tokio::test]
+async fn spec_change_updates_objects_removes_a_turned_off_group_and_observes_the_generation() {
+    let f = Fixture::new();
+    let spec = json!({"external": {"host": "localhost", "port": 6443, "caBundle": CA}});
+    f.put_rs(spec.clone(), 1);
+    f.reconcile().await;
+    assert_eq!(f.condition("Ready")["status"], "True");
+    let t1 = f.condition("Ready")["lastTransitionTime"].clone();
+    f.calls();
+
+    let mut spec2 = spec;
+    spec2["external"]["port"] = json!(7443);
+    spec2["groups"] = json!({"openreports": false});
+    f.put_rs(spec2, 2);
+    f.reconcile().await;
+    let calls = f.calls();
+    assert!(
+        calls
+            .iter()
+            .any(|(m, p)| m == "DELETE"
+                && p.starts_with(&apiservice_path("v1alpha1.openreports.io"))),
+        "{calls:#?}"
+    );
+    assert!(f.get(&apiservice_path("v1alpha1.openreports.io")).is_none());
+    assert_eq!(
+        f.get(&apiservice_path("v1.reports.kyverno.io")).unwrap()["spec"]["service"]["port"],
+        7443
+    );
+    assert_eq!(
+        f.get("/api/v1/namespaces/reports-server/services/reports-server")
+            .unwrap()["spec"]["ports"][0]["port"],
+        7443
+    );
+    let rs = f.get(RS_PATH).unwrap();
+    assert_eq!(rs["status"]["observedGeneration"], 2);
+    assert_eq!(rs["status"]["groups"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        f.condition("Ready")["lastTransitionTime"],
+        t1,
+        "Ready stayed True: no transition"
+    );
+    assert_eq!(f.condition("Ready")["observedGeneration"], 2);
+}
+
+#[tokio::test]
+async fn missing_database_secret_or_key_is_degraded_naming_both_and_recovers() {
+    let f = Fixture::new();
+    f.put_rs(json!({"replicas": 2, "database": {"postgres": {"external": {"secretName": "reports-db"}}}}), 1);
+    f.reconcile().await;
+    let degraded = f.condition("Degraded");
+    assert_eq!(degraded["status"], "True");
+    assert_eq!(degraded["reason"], "DatabaseSecretMissing");
+    assert!(
+        degraded["message"]
+            .as_str()
+            .unwrap()
+            .contains("reports-server/reports-db"),
+        "{degraded}"
+    );
+    assert_eq!(f.condition("Stalled")["status"], "True");
+    assert_eq!(f.condition("Ready")["status"], "False");
+    assert!(
+        applied(&f.calls()).is_empty(),
+        "nothing is applied without a usable database"
+    );
+
+    f.put(
+        "/api/v1/namespaces/reports-server/secrets/reports-db",
+        json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "reports-db", "namespace": "reports-server"},
+               "data": {"host": "aG9zdA==", "database": "ZGI=", "username": "dQ=="}}),
+    );
+    f.reconcile().await;
+    let degraded = f.condition("Degraded");
+    assert_eq!(degraded["reason"], "DatabaseSecretKeyMissing");
+    let message = degraded["message"].as_str().unwrap();
+    assert!(
+        message.contains("reports-db")
+            && message.contains("\"password\"")
+            && message.contains("passwordKey"),
+        "{message}"
+    );
+
+    // Fixing the Secret is enough: the next (requeued) reconcile installs and becomes Ready.
+    f.put(
+        "/api/v1/namespaces/reports-server/secrets/reports-db",
+        json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "reports-db", "namespace": "reports-server"},
+               "data": {"host": "aG9zdA==", "database": "ZGI=", "username": "dQ==", "password": "cA=="}}),
+    );
+    f.reconcile().await;
+    assert_eq!(f.condition("Degraded")["status"], "False");
+    assert_eq!(f.condition("Ready")["status"], "True");
+    let deployment = f
+        .get("/apis/apps/v1/namespaces/reports-server/deployments/reports-server")
+        .unwrap();
+    assert_eq!(deployment["spec"]["replicas"], 2);
+    assert_eq!(
+        deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"],
+        0
+    );
+}
+
+#[tokio::test]
+async fn sqlite_with_two_replicas_is_refused_with_a_condition() {
+    let f = Fixture::new();
+    f.put_rs(json!({"replicas": 2}), 1);
+    f.reconcile().await;
+    let stalled = f.condition("Stalled");
+    assert_eq!(stalled["reason"], "SqliteSingleReplica");
+    assert!(applied(&f.calls()).is_empty());
+}
+
+#[tokio::test]
+async fn apiservice_of_someone_else_is_left_alone_unless_takeover_is_asked() {
+    let f = Fixture::new();
+    let foreign = json!({"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+        "metadata": {"name": "v1.reports.kyverno.io", "labels": {"kube-aggregator.kubernetes.io/automanaged": "true"}},
+        "spec": {"group": "reports.kyverno.io", "version": "v1", "groupPriorityMinimum": 1000, "versionPriority": 15}});
+    f.put(&apiservice_path("v1.reports.kyverno.io"), foreign.clone());
+    let spec = json!({"external": {"host": "localhost", "port": 6443, "caBundle": CA}});
+    f.put_rs(spec.clone(), 1);
+    f.reconcile().await;
+    let applied_paths = applied(&f.calls());
+    assert!(
+        !applied_paths.contains(&apiservice_path("v1.reports.kyverno.io")),
+        "{applied_paths:#?}"
+    );
+    assert!(applied_paths.contains(&apiservice_path("v1alpha2.wgpolicyk8s.io")));
+    assert_eq!(
+        f.get(&apiservice_path("v1.reports.kyverno.io")).unwrap(),
+        foreign
+    );
+    let degraded = f.condition("Degraded");
+    assert_eq!(degraded["reason"], "APIServiceOwnedByOther");
+    assert!(
+        degraded["message"]
+            .as_str()
+            .unwrap()
+            .contains("v1.reports.kyverno.io")
+    );
+    let rs = f.get(RS_PATH).unwrap();
+    let group = rs["status"]["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["apiService"] == "v1.reports.kyverno.io")
+        .unwrap()
+        .clone();
+    assert_eq!(group["reason"], "OwnedByOther");
+    assert!(
+        group["message"]
+            .as_str()
+            .unwrap()
+            .contains("Local (CRD storage)"),
+        "{group}"
+    );
+
+    let mut spec2 = spec;
+    spec2["apiServices"] = json!({"takeOver": true});
+    f.put_rs(spec2, 2);
+    f.reconcile().await;
+    let taken = f.get(&apiservice_path("v1.reports.kyverno.io")).unwrap();
+    assert_eq!(
+        taken["metadata"]["labels"]["kube-aggregator.kubernetes.io/automanaged"],
+        "false"
+    );
+    assert_eq!(
+        taken["metadata"]["annotations"]["reportsserver.io/owner"],
+        "reports-server/reports-server"
+    );
+    assert_eq!(f.condition("Ready")["status"], "True");
+    let rs = f.get(RS_PATH).unwrap();
+    assert!(
+        rs["status"]["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|g| g["apiService"] == "v1.reports.kyverno.io" && g["takenOver"] == true)
+    );
+}
+
+#[tokio::test]
+async fn deletion_removes_apiservices_first_then_cluster_objects_and_nothing_else() {
+    let f = Fixture::new();
+    f.put_rs(json!({}), 1);
+    f.reconcile().await;
+    // Someone else's APIService and ClusterRole that must survive.
+    let other = json!({"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService", "metadata": {"name": "v1beta1.metrics.k8s.io"}});
+    f.put(&apiservice_path("v1beta1.metrics.k8s.io"), other);
+    f.calls();
+
+    let mut rs = f.get(RS_PATH).unwrap();
+    rs["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    f.put(RS_PATH, rs);
+    f.reconcile().await;
+    let deletes: Vec<String> = f
+        .calls()
+        .into_iter()
+        .filter(|(m, _)| m == "DELETE")
+        .map(|(_, p)| p.split('?').next().unwrap().to_string())
+        .collect();
+    assert_eq!(deletes.len(), 7, "{deletes:#?}");
+    assert!(
+        deletes[..3].iter().all(|p| p.contains("/apiservices/")),
+        "APIServices first: {deletes:#?}"
+    );
+    assert!(
+        deletes[3..]
+            .iter()
+            .all(|p| p.contains("rbac.authorization.k8s.io")),
+        "{deletes:#?}"
+    );
+    assert!(f.get(&apiservice_path("v1beta1.metrics.k8s.io")).is_some());
+    // The finalizer is gone, so the API server can finish the deletion; namespaced objects
+    // follow through their ownerReferences.
+    assert_eq!(f.get(RS_PATH).unwrap()["metadata"]["finalizers"], json!([]));
+    let sts = f
+        .get("/apis/apps/v1/namespaces/reports-server/statefulsets/reports-server")
+        .unwrap();
+    assert_eq!(sts["metadata"]["ownerReferences"][0]["uid"], "uid-1");
+}

@@ -1,0 +1,121 @@
+//! `reports-server operator`: flags (each with an environment variable) mapped onto
+//! [`reports_server_operator::RunOptions`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use reports_server_operator::{OperatorConfig, RunOptions, leader::LeaseConfig};
+
+#[derive(Args)]
+pub struct OperatorArgs {
+    /// Kubeconfig [default: in-cluster configuration, then $KUBECONFIG].
+    #[arg(long, env = "REPORTS_SERVER_OPERATOR_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Image of the servers when a ReportsServer names none.
+    #[arg(long, env = "REPORTS_SERVER_OPERATOR_SERVER_IMAGE", default_value = reports_server_operator::DEFAULT_IMAGE)]
+    server_image: String,
+    /// Watch ReportsServers in this namespace only [default: all namespaces].
+    #[arg(long, env = "REPORTS_SERVER_OPERATOR_WATCH_NAMESPACE")]
+    watch_namespace: Option<String>,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_METRICS_ADDRESS",
+        default_value = "0.0.0.0:8080"
+    )]
+    metrics_address: SocketAddr,
+    /// Elect a leader through a Lease, so several replicas never act at once.
+    #[arg(long, env = "REPORTS_SERVER_OPERATOR_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
+    leader_election: bool,
+    /// Namespace of the leader Lease (the operator's own namespace).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_NAMESPACE",
+        default_value = "reports-server"
+    )]
+    lease_namespace: String,
+    /// Name of the leader Lease.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_LEASE_NAME",
+        default_value = "reports-server-operator"
+    )]
+    lease_name: String,
+    /// This replica's identity in the Lease and in Events [default: host name].
+    #[arg(long, env = "REPORTS_SERVER_OPERATOR_POD_NAME")]
+    pod_name: Option<String>,
+    /// Seconds a Lease stays valid without renewal.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_LEASE_DURATION_SECONDS",
+        default_value_t = 15
+    )]
+    lease_duration_seconds: u64,
+    /// Seconds between Lease renewals (and a standby's attempts).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_LEASE_RETRY_SECONDS",
+        default_value_t = 4
+    )]
+    lease_retry_seconds: u64,
+    /// Seconds between reconciles while an installation converges.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_PROGRESS_REQUEUE_SECONDS",
+        default_value_t = 3
+    )]
+    progress_requeue_seconds: u64,
+    /// Seconds between reconciles while degraded (how soon a fixed Secret is noticed).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_DEGRADED_REQUEUE_SECONDS",
+        default_value_t = 15
+    )]
+    degraded_requeue_seconds: u64,
+    /// Seconds between reconciles of a ready installation (drift repair, certificate renewal).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_READY_REQUEUE_SECONDS",
+        default_value_t = 300
+    )]
+    ready_requeue_seconds: u64,
+    /// Longest backoff after failed reconciles, in seconds.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_MAX_BACKOFF_SECONDS",
+        default_value_t = 300
+    )]
+    max_backoff_seconds: u64,
+}
+
+pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
+    let client = crate::cluster_client(args.kubeconfig.as_deref()).await?;
+    let identity = args.pod_name.clone().unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| format!("reports-server-operator-{}", std::process::id()))
+    });
+    let options = RunOptions {
+        config: OperatorConfig {
+            default_image: args.server_image,
+            watch_namespace: args.watch_namespace,
+            progress_requeue: Duration::from_secs(args.progress_requeue_seconds),
+            degraded_requeue: Duration::from_secs(args.degraded_requeue_seconds),
+            ready_requeue: Duration::from_secs(args.ready_requeue_seconds),
+            max_backoff: Duration::from_secs(args.max_backoff_seconds),
+            instance: Some(identity.clone()),
+        },
+        metrics_address: args.metrics_address,
+        lease: args.leader_election.then(|| LeaseConfig {
+            namespace: args.lease_namespace,
+            name: args.lease_name,
+            identity,
+            duration: Duration::from_secs(args.lease_duration_seconds),
+            retry: Duration::from_secs(args.lease_retry_seconds),
+        }),
+    };
+    reports_server_operator::operate(client, options).await?;
+    Ok(())
+}
