@@ -1,0 +1,494 @@
+//! The operator end to end on the real control plane (etcd + kube-apiserver +
+//! kube-controller-manager), in `external` mode — the one that needs no node:
+//!
+//! 1. `kubectl apply -f manifests/install.yaml` (namespace, CRD, operator RBAC and Deployment;
+//!    the Deployment's pod stays Pending without a node) and `--dry-run=server` of the same
+//!    objects rendered by kustomize and by `helm template`.
+//! 2. `reports-server serve --auth-mode delegated` next to the control plane
+//!    ([`delegated::Server`]), and `reports-server operator` as a process that authenticates as
+//!    the operator's ServiceAccount (a token from the TokenRequest API), so the generated
+//!    least-privilege RBAC is what is exercised.
+//! 3. `manifests/examples/external-server.yaml` with the test's port and CA: the three
+//!    APIServices become Available, `kubectl get polr -A` is served by our server through
+//!    kube-apiserver, the ReportsServer is `Ready=True` with `observedGeneration == generation`,
+//!    and kstatus (`sigs.k8s.io/cli-utils`) computes `Current` for it.
+//! 4. Deleting the ReportsServer removes the APIServices before the Service (which the garbage
+//!    collector removes through its ownerReference) and nothing else.
+//!
+//! Needs what the control plane needs (Go, kubectl, openssl) plus the tools of
+//! `tests/tools/build.sh` (helm, kstatus); a missing one fails with what to install.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+use kube::Api;
+use reports_server_tests::{
+    controlplane::{
+        ControlPlane, ControlPlaneOptions, KubeconfigAuth, run_cache_build_script,
+        spawn_tied_to_test, workspace_root,
+    },
+    delegated::{self, API_SERVICES, Server},
+    kubectl::Kubectl,
+    server,
+};
+use serde::Deserialize as _;
+use serde_json::{Value, json};
+
+const NS: &str = "reports-server";
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Builds (or finds cached) one of the tools of `tests/tools/build.sh` (`helm`, `kstatus`,
+/// `argocd`) through the harness' runner for cached Go build scripts.
+async fn tool(name: &str) -> Result<PathBuf> {
+    let path = run_cache_build_script(&format!("tests/tools/{name}.sh"), name).await?;
+    ensure!(path.is_file(), "{} was not built", path.display());
+    Ok(path)
+}
+
+fn manifest(path: &str) -> Result<String> {
+    let p = workspace_root().join("manifests").join(path);
+    std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
+}
+
+fn yaml_docs(text: &str) -> Result<Vec<Value>> {
+    Ok(serde_yaml::Deserializer::from_str(text)
+        .map(Value::deserialize)
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .filter(|d| !d.is_null())
+        .collect())
+}
+
+/// `kubectl apply --dry-run=server` of a YAML stream; the error says which rendering failed.
+fn dry_run(admin: &Kubectl, what: &str, yaml: &str) -> Result<()> {
+    let out = admin.output(&["apply", "--dry-run=server", "-f", "-"], Some(yaml))?;
+    ensure!(
+        out.status.success(),
+        "kubectl apply --dry-run=server of {what} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+async fn rs_json(admin: &Kubectl) -> Result<Value> {
+    let text = admin.run(&["get", "rsrv", "-n", NS, "reports-server", "-o", "json"])?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+fn condition<'a>(rs: &'a Value, type_: &str) -> Option<&'a Value> {
+    rs["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+}
+
+/// kstatus' verdict on an object.
+fn kstatus(bin: &PathBuf, obj: &Value) -> Result<String> {
+    let mut child = Command::new(bin)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    use std::io::Write as _;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(obj.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "kstatus failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: Value = serde_json::from_slice(&out.stdout)?;
+    Ok(line["status"].as_str().unwrap_or_default().to_string())
+}
+
+#[tokio::test]
+async fn e2e_operator_external_mode() -> Result<()> {
+    let t0 = Instant::now();
+    let helm = tool("helm").await?;
+    let kstatus_bin = tool("kstatus").await?;
+    let bin = server::binary().context("building reports-server")?;
+    let cp = ControlPlane::start(ControlPlaneOptions::with_controller_manager()).await?;
+    let admin = Kubectl::new(cp.kubeconfig_path());
+    let client = cp.client().await?;
+    eprintln!("[e2e] control plane ready after {:.1?}", t0.elapsed());
+
+    // 1. install.yaml for real; kustomize and helm renderings dry-run against it.
+    let install = manifest("install.yaml")?;
+    admin.run_with_stdin(&["apply", "--server-side", "-f", "-"], Some(&install))?;
+    admin.run(&[
+        "wait",
+        "--for=condition=Established",
+        "crd/reportsservers.reportsserver.io",
+        "--timeout=60s",
+    ])?;
+    dry_run(&admin, "manifests/install.yaml", &install)?;
+    let kustomized = admin.run(&[
+        "kustomize",
+        &workspace_root().join("manifests").display().to_string(),
+    ])?;
+    dry_run(&admin, "kubectl kustomize manifests", &kustomized)?;
+    let helm_out = Command::new(&helm)
+        .args(["template", "reports-server"])
+        .arg(workspace_root().join("manifests/helm/reports-server"))
+        .args(["--namespace", NS, "--include-crds"])
+        .output()
+        .context("running helm template")?;
+    ensure!(
+        helm_out.status.success(),
+        "helm template failed: {}",
+        String::from_utf8_lossy(&helm_out.stderr)
+    );
+    let rendered = String::from_utf8(helm_out.stdout)?;
+    ensure!(
+        rendered.contains("kind: Deployment")
+            && rendered.contains("kind: CustomResourceDefinition")
+    );
+    dry_run(
+        &admin,
+        "helm template manifests/helm/reports-server",
+        &rendered,
+    )?;
+    for example in [
+        "sqlite.yaml",
+        "postgres-managed.yaml",
+        "postgres-external.yaml",
+        "external-server.yaml",
+    ] {
+        dry_run(
+            &admin,
+            &format!("manifests/examples/{example}"),
+            &manifest(&format!("examples/{example}"))?,
+        )?;
+    }
+    eprintln!("[e2e] install.yaml applied; kustomize, helm and examples pass server dry-run");
+
+    // A bystander that must survive the ReportsServer's deletion.
+    admin.run(&[
+        "create",
+        "configmap",
+        "-n",
+        NS,
+        "bystander",
+        "--from-literal=a=b",
+    ])?;
+
+    // 2. The server and the operator (as its ServiceAccount).
+    let dir = cp.dir().join("reports-server");
+    let server = Server::start(&cp, &dir).await?;
+    let token = admin
+        .run(&[
+            "create",
+            "token",
+            "-n",
+            NS,
+            "reports-server-operator",
+            "--duration=2h",
+        ])?
+        .trim()
+        .to_string();
+    let operator_kubeconfig =
+        cp.kubeconfig_for_server("operator", cp.server_url(), KubeconfigAuth::Token(&token))?;
+    let metrics_port = server::free_port();
+    let log_path = cp.dir().join("logs/operator.log");
+    let log = std::fs::File::create(&log_path)?;
+    let mut cmd = Command::new(&bin);
+    cmd.args(["operator", "--kubeconfig"])
+        .arg(&operator_kubeconfig)
+        .args(["--metrics-address", &format!("127.0.0.1:{metrics_port}")])
+        .args(["--lease-namespace", NS, "--pod-name", "e2e-operator"])
+        .args(["--progress-requeue-seconds", "1"])
+        .env("REPORTS_SERVER_LOG", "info,reports_server_operator=debug")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    let mut operator = spawn_tied_to_test(cmd).context("starting reports-server operator")?;
+    let operator_log = || {
+        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    };
+
+    // 3. The example, templated with this server's port and the cluster CA.
+    let mut docs = yaml_docs(&manifest("examples/external-server.yaml")?)?;
+    ensure!(
+        docs.len() == 1 && docs[0]["kind"] == "ReportsServer",
+        "external-server.yaml: {docs:?}"
+    );
+    docs[0]["spec"]["external"]["port"] = json!(server.port);
+    docs[0]["spec"]["external"]["caBundle"] = json!(cp.ca_pem());
+    let applied = admin.run_with_stdin(
+        &["apply", "-f", "-"],
+        Some(&serde_yaml::to_string(&docs[0])?),
+    )?;
+    ensure!(
+        applied.contains("reportsserver.reportsserver.io/reports-server created"),
+        "{applied}"
+    );
+    let t_apply = Instant::now();
+    let rs = loop {
+        let rs = rs_json(&admin).await?;
+        let ready = condition(&rs, "Ready").is_some_and(|c| c["status"] == "True");
+        if ready && rs["status"]["observedGeneration"] == rs["metadata"]["generation"] {
+            break rs;
+        }
+        if t_apply.elapsed() > TIMEOUT {
+            bail!(
+                "ReportsServer not Ready after {TIMEOUT:?}: {}\n--- operator log ---\n{}",
+                rs["status"],
+                operator_log()
+            );
+        }
+        if let Ok(Some(status)) = operator.try_wait() {
+            bail!(
+                "reports-server operator exited with {status}\n{}",
+                operator_log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    eprintln!(
+        "[e2e] ReportsServer Ready {:.1?} after apply",
+        t_apply.elapsed()
+    );
+    ensure!(
+        rs["status"]["database"]["type"] == "external",
+        "{}",
+        rs["status"]
+    );
+    ensure!(
+        rs["metadata"]["finalizers"] == json!(["reportsserver.io/cleanup"]),
+        "{}",
+        rs["metadata"]
+    );
+    for name in API_SERVICES {
+        cp.wait_apiservice_available(name, TIMEOUT).await?;
+    }
+    delegated::wait_apiservices_routed(&cp, &server, &client).await?;
+    let table = admin.run(&["get", "rsrv", "-n", NS])?;
+    ensure!(
+        table.contains("READY") && table.contains("True") && table.contains("external"),
+        "{table}"
+    );
+    ensure!(
+        kstatus(&kstatus_bin, &rs)? == "Current",
+        "kstatus of a Ready ReportsServer"
+    );
+
+    // Reports through kube-apiserver, served by our server.
+    admin.run(&["create", "namespace", "test-ns"])?;
+    let report =
+        std::fs::read_to_string(workspace_root().join("tests/fixtures/peer/report-1.yaml"))?
+            .replace("namespace: default", "namespace: test-ns");
+    admin.run_with_stdin(&["apply", "-f", "-"], Some(&report))?;
+    let polr = admin.run(&["get", "polr", "-A"])?;
+    ensure!(
+        polr.contains("test-ns") && polr.contains("test-1"),
+        "kubectl get polr -A:\n{polr}"
+    );
+
+    // Events record the decisions.
+    let events = admin.run(&[
+        "get",
+        "events",
+        "-n",
+        NS,
+        "--field-selector",
+        "involvedObject.kind=ReportsServer",
+    ])?;
+    ensure!(events.contains("Ready"), "no Ready event:\n{events}");
+
+    // Metrics of the operator.
+    let metrics = reqwest_text(&format!("http://127.0.0.1:{metrics_port}/metrics")).await?;
+    ensure!(
+        metrics.contains("reports_server_operator_leader 1"),
+        "{metrics}"
+    );
+
+    // 4. Deletion: APIServices first, then the Service (garbage collector), nothing else.
+    let apis: Api<APIService> = Api::all(client.clone());
+    let services: Api<Service> = Api::namespaced(client.clone(), NS);
+    admin.run(&["delete", "rsrv", "-n", NS, "reports-server", "--wait=false"])?;
+    let t_delete = Instant::now();
+    let (mut apis_gone, mut svc_gone) = (None, None);
+    while apis_gone.is_none() || svc_gone.is_none() {
+        let mut all_gone = true;
+        for name in API_SERVICES {
+            all_gone &= apis.get_opt(name).await?.is_none();
+        }
+        if all_gone && apis_gone.is_none() {
+            apis_gone = Some(t_delete.elapsed());
+        }
+        if svc_gone.is_none() && services.get_opt("reports-server").await?.is_none() {
+            svc_gone = Some(t_delete.elapsed());
+            ensure!(
+                apis_gone.is_some(),
+                "the Service went before the APIServices"
+            );
+        }
+        if t_delete.elapsed() > TIMEOUT {
+            bail!(
+                "after {TIMEOUT:?}: APIServices gone {apis_gone:?}, Service gone {svc_gone:?}\n{}",
+                operator_log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("[e2e] deletion: APIServices gone after {apis_gone:?}, Service after {svc_gone:?}");
+    let out = admin.output(&["get", "rsrv", "-n", NS, "reports-server"], None)?;
+    ensure!(!out.status.success(), "the ReportsServer still exists");
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), NS);
+    ensure!(
+        cms.get_opt("bystander").await?.is_some(),
+        "the bystander ConfigMap was deleted"
+    );
+    admin.run(&["get", "namespace", NS, "test-ns"])?;
+    admin.run(&["get", "crd", "reportsservers.reportsserver.io"])?;
+    admin.run(&["get", "clusterrole", "reports-server-operator"])?;
+
+    let _ = operator.kill();
+    let _ = operator.wait();
+    drop(server);
+    cp.stop().await?;
+    eprintln!(
+        "[e2e] e2e_operator_external_mode passed in {:.1?}",
+        t0.elapsed()
+    );
+    Ok(())
+}
+
+/// A plain-HTTP GET through kube's hyper stack would need a client; curl is simpler and is on
+/// every build machine with the control plane.
+async fn reqwest_text(url: &str) -> Result<String> {
+    let out = tokio::process::Command::new("curl")
+        .args(["-sSf", url])
+        .output()
+        .await
+        .context("running curl (install curl)")?;
+    ensure!(
+        out.status.success(),
+        "curl {url}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// ReportsServer objects in each state, as the operator writes them.
+fn rs_in_state(generation: i64, observed: Option<i64>, outcome: &str) -> Value {
+    let cond = |t: &str, s: bool, reason: &str| {
+        json!({"type": t, "status": if s { "True" } else { "False" }, "reason": reason, "message": reason,
+               "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": observed})
+    };
+    let conditions = match outcome {
+        "ready" => vec![
+            cond("Ready", true, "Ready"),
+            cond("Reconciling", false, "Ready"),
+            cond("Stalled", false, "Ready"),
+            cond("Degraded", false, "Ready"),
+        ],
+        "progressing" => vec![
+            cond("Ready", false, "WaitingForPods"),
+            cond("Reconciling", true, "WaitingForPods"),
+            cond("Stalled", false, "Progressing"),
+            cond("Degraded", false, "Progressing"),
+        ],
+        "degraded" => vec![
+            cond("Ready", false, "DatabaseSecretMissing"),
+            cond("Reconciling", false, "DatabaseSecretMissing"),
+            cond("Stalled", true, "DatabaseSecretMissing"),
+            cond("Degraded", true, "DatabaseSecretMissing"),
+        ],
+        _ => vec![],
+    };
+    let mut rs = json!({"apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+        "metadata": {"name": format!("{outcome}-{generation}-{observed:?}"), "namespace": NS, "generation": generation},
+        "spec": {}});
+    if outcome != "none" {
+        rs["status"] = json!({"observedGeneration": observed, "conditions": conditions});
+    }
+    rs
+}
+
+/// (object, Argo CD health, kstatus status) for every state the operator can write. kstatus
+/// calls an object without any status `Current` (it cannot know a controller will write one),
+/// so the state before the operator's first reconcile has no kstatus expectation; see
+/// docs/operator.md.
+fn judged_states() -> Vec<(Value, &'static str, Option<&'static str>)> {
+    vec![
+        (rs_in_state(1, None, "none"), "Progressing", None),
+        (rs_in_state(2, Some(2), "ready"), "Healthy", Some("Current")),
+        (
+            rs_in_state(3, Some(2), "ready"),
+            "Progressing",
+            Some("InProgress"),
+        ),
+        (
+            rs_in_state(2, Some(2), "progressing"),
+            "Progressing",
+            Some("InProgress"),
+        ),
+        (
+            rs_in_state(2, Some(2), "degraded"),
+            "Degraded",
+            Some("Failed"),
+        ),
+    ]
+}
+
+/// kstatus (cli-utils v0.37.2) on every state the operator writes.
+#[tokio::test]
+async fn kstatus_judges_reportsserver_statuses() -> Result<()> {
+    let bin = tool("kstatus").await?;
+    for (obj, _, want) in judged_states() {
+        let Some(want) = want else { continue };
+        let got = kstatus(&bin, &obj)?;
+        ensure!(
+            got == want,
+            "kstatus of {}: {got}, want {want}\n{obj:#}",
+            obj["metadata"]["name"]
+        );
+    }
+    Ok(())
+}
+
+/// Argo CD's own Lua runner (argo-cd v3.6.1 util/lua) on manifests/argocd/health.lua.
+#[tokio::test]
+async fn argocd_health_lua_judges_reportsserver_statuses() -> Result<()> {
+    let bin = tool("argocd").await?;
+    let script = workspace_root().join("manifests/argocd/health.lua");
+    for (obj, want, _) in judged_states() {
+        let mut child = Command::new(&bin)
+            .arg(&script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        use std::io::Write as _;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(obj.to_string().as_bytes())?;
+        let out = child.wait_with_output()?;
+        ensure!(
+            out.status.success(),
+            "argocd-lua-health: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line: Value = serde_json::from_slice(&out.stdout)?;
+        ensure!(
+            line["status"] == want,
+            "Argo CD health of {}: {line}, want {want}",
+            obj["metadata"]["name"]
+        );
+    }
+    Ok(())
+}

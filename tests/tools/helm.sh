@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+# Builds (or finds cached) the helm tool of tests/tools/build.sh; prints its path last.
+exec bash "$(dirname "$0")/build.sh" helm
