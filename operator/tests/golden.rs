@@ -119,7 +119,17 @@ fn golden_objects_per_mode() {
 /// No object of any mode skips TLS verification or points an APIService at no CA.
 #[test]
 fn no_apiservice_skips_tls_verification() {
-    for spec in [ReportsServerSpec::default()] {
+    let managed = ReportsServerSpec {
+        database: DatabaseSpec {
+            postgres: Some(PostgresSpec {
+                managed: Some(ManagedPostgresSpec::default()),
+                external: None,
+            }),
+            sqlite: None,
+        },
+        ..Default::default()
+    };
+    for spec in [ReportsServerSpec::default(), managed] {
         let yaml = render(&rs(spec));
         assert!(!yaml.contains("insecureSkipTLSVerify"));
         assert_eq!(yaml.matches("caBundle:").count(), 3);
