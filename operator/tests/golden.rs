@@ -16,6 +16,21 @@ fn rs(spec: ReportsServerSpec) -> ReportsServer {
     rs
 }
 
+/// A managed-PostgreSQL spec with `replicas`.
+fn managed(replicas: i32) -> ReportsServerSpec {
+    ReportsServerSpec {
+        replicas,
+        database: DatabaseSpec {
+            postgres: Some(PostgresSpec {
+                managed: Some(ManagedPostgresSpec::default()),
+                external: None,
+            }),
+            sqlite: None,
+        },
+        ..Default::default()
+    }
+}
+
 fn render(rs: &ReportsServer) -> String {
     let database = desired::database_of(&rs.spec).expect("valid spec");
     let external = database == Database::External;
@@ -53,20 +68,7 @@ fn check(name: &str, yaml: String) -> Option<String> {
 fn golden_objects_per_mode() {
     let cases = [
         ("sqlite", rs(ReportsServerSpec::default())),
-        (
-            "postgres-managed",
-            rs(ReportsServerSpec {
-                replicas: 2,
-                database: DatabaseSpec {
-                    postgres: Some(PostgresSpec {
-                        managed: Some(ManagedPostgresSpec::default()),
-                        external: None,
-                    }),
-                    sqlite: None,
-                },
-                ..Default::default()
-            }),
-        ),
+        ("postgres-managed", rs(managed(2))),
         (
             "postgres-external",
             rs(ReportsServerSpec {
@@ -119,17 +121,7 @@ fn golden_objects_per_mode() {
 /// No object of any mode skips TLS verification or points an APIService at no CA.
 #[test]
 fn no_apiservice_skips_tls_verification() {
-    let managed = ReportsServerSpec {
-        database: DatabaseSpec {
-            postgres: Some(PostgresSpec {
-                managed: Some(ManagedPostgresSpec::default()),
-                external: None,
-            }),
-            sqlite: None,
-        },
-        ..Default::default()
-    };
-    for spec in [ReportsServerSpec::default(), managed] {
+    for spec in [ReportsServerSpec::default(), managed(1)] {
         let yaml = render(&rs(spec));
         assert!(!yaml.contains("insecureSkipTLSVerify"));
         assert_eq!(yaml.matches("caBundle:").count(), 3);

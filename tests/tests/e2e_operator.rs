@@ -18,7 +18,7 @@
 //! Needs what the control plane needs (Go, kubectl, openssl) plus the tools of
 //! `tests/tools/build.sh` (helm, kstatus); a missing one fails with what to install.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -87,27 +87,37 @@ fn condition<'a>(rs: &'a Value, type_: &str) -> Option<&'a Value> {
         .find(|c| c["type"] == type_)
 }
 
-/// kstatus' verdict on an object.
-fn kstatus(bin: &PathBuf, obj: &Value) -> Result<String> {
+/// Runs a tool of `tests/tools/` with `obj` as JSON on stdin and returns its one JSON line.
+fn judge(bin: &Path, args: &[&std::ffi::OsStr], obj: &Value) -> Result<Value> {
     let mut child = Command::new(bin)
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn()?;
+        .spawn()
+        .with_context(|| format!("running {}", bin.display()))?;
     use std::io::Write as _;
     child
         .stdin
         .take()
-        .unwrap()
+        .expect("piped stdin")
         .write_all(obj.to_string().as_bytes())?;
     let out = child.wait_with_output()?;
     ensure!(
         out.status.success(),
-        "kstatus failed: {}",
+        "{} failed: {}",
+        bin.display(),
         String::from_utf8_lossy(&out.stderr)
     );
-    let line: Value = serde_json::from_slice(&out.stdout)?;
-    Ok(line["status"].as_str().unwrap_or_default().to_string())
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// kstatus' verdict on an object.
+fn kstatus(bin: &Path, obj: &Value) -> Result<String> {
+    Ok(judge(bin, &[], obj)?["status"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string())
 }
 
 #[tokio::test]
@@ -465,25 +475,7 @@ async fn argocd_health_lua_judges_reportsserver_statuses() -> Result<()> {
     let bin = tool("argocd").await?;
     let script = workspace_root().join("manifests/argocd/health.lua");
     for (obj, want, _) in judged_states() {
-        let mut child = Command::new(&bin)
-            .arg(&script)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        use std::io::Write as _;
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(obj.to_string().as_bytes())?;
-        let out = child.wait_with_output()?;
-        ensure!(
-            out.status.success(),
-            "argocd-lua-health: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let line: Value = serde_json::from_slice(&out.stdout)?;
+        let line = judge(&bin, &[script.as_os_str()], &obj)?;
         ensure!(
             line["status"] == want,
             "Argo CD health of {}: {line}, want {want}",
