@@ -8,7 +8,9 @@
 #
 #   bash tests/tools/build.sh helm|kstatus|argocd   # prints the tool's binary path as the last stdout line
 #   bash tests/tools/build.sh all                   # builds all three (what .ci/run calls)
-#   REPORTS_SERVER_GOTOOLCHAIN=go1.27.0             # a newer Go toolchain (argocd needs Go >= 1.27)
+#   REPORTS_SERVER_GOTOOLCHAIN=goX.Y.Z              # the Go toolchain (default: the local go; go1.27.0
+#                                                   # for argocd, which needs Go >= 1.27: the go command
+#                                                   # fetches it from the module proxy)
 #   REPORTS_SERVER_CACHE=/dir  REPORTS_SERVER_REBUILD=1  REPORTS_SERVER_GO_BUILD_P=N   as for
 #   tests/controlplane/build.sh (cache root, ignore the stamp, go build -p N).
 #
@@ -34,8 +36,10 @@ command -v go >/dev/null 2>&1 ||
     die "'go' not found in PATH. Install Go >= 1.26 (https://go.dev/dl/ or your distribution) and make \
 sure the Go module proxy is reachable (go env GOPROXY)."
 command -v flock >/dev/null 2>&1 || die "'flock' not found: install util-linux"
-# GOTOOLCHAIN=local unless REPORTS_SERVER_GOTOOLCHAIN names one (e.g. go1.27.0, which the go
-# command then fetches from the module proxy): Argo CD v3.6.1 needs Go >= 1.27.
+# GOTOOLCHAIN=local unless REPORTS_SERVER_GOTOOLCHAIN names one. Argo CD v3.6.1 needs Go >= 1.27,
+# so its build defaults to go1.27.0, which the go command fetches from the module proxy (a cold
+# build takes 45-60 min on 2 cores: the runner pulls in most of Argo CD; it is then cached).
+ARGOCD_GOTOOLCHAIN=${REPORTS_SERVER_GOTOOLCHAIN:-go1.27.0}
 export GOTOOLCHAIN=${REPORTS_SERVER_GOTOOLCHAIN:-local} CGO_ENABLED=0 GOWORK=off GO111MODULE=on
 BUILD_P=()
 [[ -n ${REPORTS_SERVER_GO_BUILD_P:-} ]] && BUILD_P=(-p "$REPORTS_SERVER_GO_BUILD_P")
@@ -115,7 +119,7 @@ If the error says 'requires go >= X', install that Go or set REPORTS_SERVER_GOTO
 case ${1:-all} in
 helm) build helm helm.sh/helm/v4 "$HELM_VERSION" helm.sh/helm/v4/cmd/helm ;;
 kstatus) build kstatus sigs.k8s.io/cli-utils "$CLI_UTILS_VERSION" "" "$HERE/kstatus" ;;
-argocd) build argocd-lua github.com/argoproj/argo-cd/v3 "$ARGOCD_VERSION" "" "$HERE/argocd-lua" ;;
+argocd) GOTOOLCHAIN=$ARGOCD_GOTOOLCHAIN build argocd-lua github.com/argoproj/argo-cd/v3 "$ARGOCD_VERSION" "" "$HERE/argocd-lua" ;;
 all)
     "$0" helm
     "$0" kstatus
