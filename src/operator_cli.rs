@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use reports_server_operator::{OperatorConfig, RunOptions, leader::LeaseConfig};
+use reports_server_operator::{LeaseConfig, OperatorConfig, RunOptions};
+use tokio_util::sync::CancellationToken;
 
 #[derive(Args)]
 pub struct OperatorArgs {
@@ -53,11 +54,12 @@ pub struct OperatorArgs {
         default_value_t = 15
     )]
     lease_duration_seconds: u64,
-    /// Seconds between Lease renewals (and a standby's attempts).
+    /// Seconds between a standby's attempts to take the Lease. The holder renews every third
+    /// of the duration and stops reconciling when two thirds have passed without a renewal.
     #[arg(
         long,
         env = "REPORTS_SERVER_OPERATOR_LEASE_RETRY_SECONDS",
-        default_value_t = 4
+        default_value_t = 2
     )]
     lease_retry_seconds: u64,
     /// Seconds between reconciles while an installation converges.
@@ -108,14 +110,22 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
             instance: Some(identity.clone()),
         },
         metrics_address: args.metrics_address,
-        lease: args.leader_election.then(|| LeaseConfig {
-            namespace: args.lease_namespace,
-            name: args.lease_name,
-            identity,
-            duration: Duration::from_secs(args.lease_duration_seconds),
-            retry: Duration::from_secs(args.lease_retry_seconds),
+        lease: args.leader_election.then(|| {
+            let mut lease = LeaseConfig::new(args.lease_namespace, args.lease_name, identity);
+            let duration = Duration::from_secs(args.lease_duration_seconds.max(3));
+            lease.duration = duration;
+            lease.renew_interval = duration / 3;
+            lease.renew_deadline = duration * 2 / 3;
+            lease.retry_interval = Duration::from_secs(args.lease_retry_seconds.max(1));
+            lease
         }),
     };
-    reports_server_operator::operate(client, options).await?;
+    let shutdown = CancellationToken::new();
+    let signal = shutdown.clone();
+    tokio::spawn(async move {
+        crate::shutdown_signal().await;
+        signal.cancel();
+    });
+    reports_server_operator::operate(client, options, shutdown).await?;
     Ok(())
 }

@@ -211,7 +211,7 @@ impl<S: LeaseStore> Elector<S> {
         Fut: Future<Output = ()>,
     {
         let (identity, lease) = (self.store.identity(), self.store.lease_name());
-        tracing::info!(identity, lease, "waiting for the aggregation lease");
+        tracing::info!(identity, lease, "waiting for the lease");
         let mut observer = Observer::default();
         let mut failing = false;
         while !cancel.is_cancelled() {
@@ -226,7 +226,7 @@ impl<S: LeaseStore> Elector<S> {
                 Err(e) => {
                     // Once per outage, not every retry.
                     if !failing {
-                        tracing::warn!(error = %e, lease, "cannot read or write the aggregation lease; retrying");
+                        tracing::warn!(error = %e, lease, "cannot read or write the lease; retrying");
                     }
                     failing = true;
                 }
@@ -253,7 +253,7 @@ impl<S: LeaseStore> Elector<S> {
         }
         let previous = current.holder();
         if !previous.is_empty() && previous != me {
-            tracing::info!(previous, "aggregation lease expired; taking over");
+            tracing::info!(previous, "lease expired; taking over");
         }
         self.store
             .acquire(Some(&current), self.timing.duration)
@@ -279,13 +279,13 @@ impl<S: LeaseStore> Elector<S> {
             // The write may have landed long before its answer: a candidate may already count
             // the record as expired. Ours still, so the next attempt takes it again at once.
             tracing::warn!(
-                "acquiring the aggregation lease took longer than the renew deadline; not aggregating on it"
+                "acquiring the lease took longer than the renew deadline; not working under it"
             );
             return;
         }
         tracing::info!(
             identity = self.store.identity(),
-            "aggregation lease acquired; aggregating"
+            "lease acquired; leading"
         );
         leading(true);
         let term = cancel.child_token();
@@ -301,7 +301,7 @@ impl<S: LeaseStore> Elector<S> {
                 _ = term.cancelled() => break TermEnd::Stopped,
                 _ = &mut task => {
                     work_returned = true;
-                    tracing::warn!("aggregation stopped on its own; giving the lease back");
+                    tracing::warn!("the work stopped on its own; giving the lease back");
                     break TermEnd::Stopped;
                 }
                 _ = tokio::time::sleep(pause) => {
@@ -309,7 +309,7 @@ impl<S: LeaseStore> Elector<S> {
                     // The renewal must land before the deadline, or we must stop anyway.
                     let budget = deadline.saturating_sub(last_renewed.elapsed());
                     if budget.is_zero() {
-                        tracing::warn!("aggregation lease not renewed before the deadline; stopping");
+                        tracing::warn!("lease not renewed before the deadline; stopping");
                         break TermEnd::Lost;
                     }
                     match tokio::time::timeout(budget, self.store.renew(&held, self.timing.duration)).await {
@@ -319,15 +319,15 @@ impl<S: LeaseStore> Elector<S> {
                             wait = self.timing.renew_interval;
                         }
                         Ok(Ok(None)) => {
-                            tracing::warn!("aggregation lease taken over by another process; stopping");
+                            tracing::warn!("lease taken over by another process; stopping");
                             break TermEnd::Lost;
                         }
                         Ok(Err(e)) => {
-                            tracing::warn!(error = %e, "cannot renew the aggregation lease; retrying");
+                            tracing::warn!(error = %e, "cannot renew the lease; retrying");
                             wait = self.timing.retry_interval;
                         }
                         Err(_) => {
-                            tracing::warn!("aggregation lease not renewed before the deadline; stopping");
+                            tracing::warn!("lease not renewed before the deadline; stopping");
                             break TermEnd::Lost;
                         }
                     }
@@ -349,11 +349,11 @@ impl<S: LeaseStore> Elector<S> {
 
 fn log_release<E: Display>(outcome: Result<Result<(), E>, tokio::time::error::Elapsed>) {
     match outcome {
-        Ok(Ok(())) => tracing::info!("aggregation lease released"),
+        Ok(Ok(())) => tracing::info!("lease released"),
         Ok(Err(e)) => {
-            tracing::warn!(error = %e, "cannot release the aggregation lease; it will expire")
+            tracing::warn!(error = %e, "cannot release the lease; it will expire")
         }
-        Err(_) => tracing::warn!("releasing the aggregation lease timed out; it will expire"),
+        Err(_) => tracing::warn!("releasing the lease timed out; it will expire"),
     }
 }
 

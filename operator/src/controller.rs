@@ -34,6 +34,7 @@ use reports_server_crds::reportsserver::{
     DatabaseStatus, GroupStatus, ReportsServer, ReportsServerStatus,
 };
 use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
 
 use crate::desired::{self, Database, Inputs, Tls};
 use crate::http::Metrics;
@@ -831,7 +832,9 @@ fn owner_of(api: APIService) -> Option<ObjectRef<ReportsServer>> {
 }
 
 /// Runs the controller until a shutdown signal.
-pub async fn run(ctx: Arc<Context>) {
+/// Runs the controller until `stop` fires (shutdown, or the end of this replica's term as
+/// leader), letting running reconciles finish.
+pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let client = ctx.client.clone();
     let rs_api: Api<ReportsServer> = match &ctx.config.watch_namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
@@ -852,7 +855,7 @@ pub async fn run(ctx: Arc<Context>) {
         .owns(owned_api!(Deployment), managed.clone())
         .owns(owned_api!(StatefulSet), managed.clone())
         .watches(Api::<APIService>::all(client.clone()), managed, owner_of)
-        .shutdown_on_signal()
+        .graceful_shutdown_on(stop.cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
             match res {

@@ -10,8 +10,10 @@
 //! * [`controller`] is the kube-runtime loop (`Controller`, `reconcile`, `error_policy`,
 //!   `finalizer`, server-side apply with one field manager, Events); it is tested against a
 //!   mocked API server.
-//! * [`leader`] keeps two operator replicas from fighting (a `coordination.k8s.io` Lease), and
-//!   [`http`] serves `/metrics`, `/healthz` and `/readyz`.
+//! * Two operator replicas never fight: [`operate`] runs the controller only while holding a
+//!   `coordination.k8s.io` Lease, through the election loop the cluster aggregator uses
+//!   (`reports_server_aggregator::election`); [`http`] serves `/metrics`, `/healthz` and
+//!   `/readyz`.
 //! * [`manifests`] renders the operator's own install objects (CRD, RBAC, Deployment), from the
 //!   same constants the controller uses, so the RBAC is exactly what the code calls.
 //!
@@ -22,7 +24,6 @@
 pub mod controller;
 pub mod desired;
 pub mod http;
-pub mod leader;
 pub mod manifests;
 pub mod status;
 pub mod tls;
@@ -41,9 +42,15 @@ pub const OWNER_ANNOTATION: &str = "reportsserver.io/owner";
 pub const DEFAULT_IMAGE: &str = concat!("reports-server:", env!("CARGO_PKG_VERSION"));
 
 pub use controller::{Context, Error, OperatorConfig, run};
+/// The leader Lease settings (shared with the cluster aggregator: one election protocol).
+pub use reports_server_aggregator::cluster::lease::LeaseConfig;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+
+use reports_server_aggregator::cluster::lease::KubeLease;
+use reports_server_aggregator::election::Elector;
+use tokio_util::sync::CancellationToken;
 
 /// How [`operate`] runs.
 #[derive(Clone, Debug)]
@@ -52,7 +59,7 @@ pub struct RunOptions {
     /// Where `/metrics`, `/healthz` and `/readyz` listen.
     pub metrics_address: SocketAddr,
     /// Leader election; `None` runs unconditionally (one replica, tests).
-    pub lease: Option<leader::LeaseConfig>,
+    pub lease: Option<LeaseConfig>,
 }
 
 /// Why [`operate`] stopped.
@@ -60,54 +67,51 @@ pub struct RunOptions {
 pub enum RunError {
     #[error("serving metrics on {0}: {1}")]
     Metrics(SocketAddr, #[source] std::io::Error),
-    #[error("lost the leader Lease; stopping so a standby takes over")]
-    LeaseLost,
 }
 
-/// Serves metrics and health, waits for the leader Lease, and runs the controller until a
-/// shutdown signal (then releases the Lease) or until the Lease is lost (an error: the process
-/// must exit so it never acts as a second leader).
-pub async fn operate(client: kube::Client, options: RunOptions) -> Result<(), RunError> {
+/// Serves metrics and health and runs the controller until `shutdown` fires. With a Lease,
+/// the controller runs only while this replica holds it (the election loop the cluster
+/// aggregator uses: `aggregator/src/election.rs`): a replica that cannot renew in time stops
+/// reconciling before its Lease can expire and becomes a standby again; on shutdown the Lease
+/// is released so a standby takes over at once.
+pub async fn operate(
+    client: kube::Client,
+    options: RunOptions,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
     let metrics = http::Metrics::new();
     let addr = options.metrics_address;
     let listener = tokio::spawn(http::serve(addr, metrics.clone()));
     metrics.set_ready();
-    let elector = options
-        .lease
-        .clone()
-        .map(|l| leader::Elector::new(client.clone(), l));
-    if let Some(e) = &elector {
-        tracing::info!("waiting for the leader Lease");
-        tokio::select! {
-            _ = e.acquire() => {}
-            r = listener => {
-                let e = match r {
-                    Ok(Ok(())) => std::io::Error::other("the metrics server stopped"),
-                    Ok(Err(e)) => e,
-                    Err(e) => std::io::Error::other(e),
-                };
-                return Err(RunError::Metrics(addr, e));
+    let ctx = Arc::new(Context::new(client.clone(), options.config, metrics.clone()));
+    let work = async {
+        match &options.lease {
+            Some(lease) => {
+                let elector = Elector::new(KubeLease::new(client.clone(), lease), lease.timing());
+                elector
+                    .run(
+                        shutdown.clone(),
+                        |term| run(ctx.clone(), term),
+                        |leading| metrics.set_leader(leading),
+                    )
+                    .await
+            }
+            None => {
+                metrics.set_leader(true);
+                run(ctx.clone(), shutdown.clone()).await;
+                metrics.set_leader(false);
             }
         }
-        tracing::info!("acquired the leader Lease");
-    }
-    metrics.set_leader(true);
-    let ctx = Arc::new(Context::new(client, options.config, metrics.clone()));
-    let result = match &elector {
-        Some(e) => tokio::select! {
-            _ = run(ctx) => Ok(()),
-            _ = e.hold() => Err(RunError::LeaseLost),
-        },
-        None => {
-            run(ctx).await;
-            Ok(())
-        }
     };
-    metrics.set_leader(false);
-    if result.is_ok()
-        && let Some(e) = &elector
-    {
-        e.release().await;
+    tokio::select! {
+        _ = work => Ok(()),
+        r = listener => {
+            let e = match r {
+                Ok(Ok(())) => std::io::Error::other("the metrics server stopped"),
+                Ok(Err(e)) => e,
+                Err(e) => std::io::Error::other(e),
+            };
+            Err(RunError::Metrics(addr, e))
+        }
     }
-    result
 }
