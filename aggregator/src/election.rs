@@ -283,10 +283,7 @@ impl<S: LeaseStore> Elector<S> {
             );
             return;
         }
-        tracing::info!(
-            identity = self.store.identity(),
-            "lease acquired; leading"
-        );
+        tracing::info!(identity = self.store.identity(), "lease acquired; leading");
         leading(true);
         let term = cancel.child_token();
         let task = work(term.clone());

@@ -83,7 +83,11 @@ pub async fn operate(
     let addr = options.metrics_address;
     let listener = tokio::spawn(http::serve(addr, metrics.clone()));
     metrics.set_ready();
-    let ctx = Arc::new(Context::new(client.clone(), options.config, metrics.clone()));
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        options.config,
+        metrics.clone(),
+    ));
     let work = async {
         match &options.lease {
             Some(lease) => {
