@@ -319,17 +319,14 @@ impl AggregateArgs {
     /// The cluster aggregator settings these flags describe.
     pub fn cluster_config(&self) -> ClusterConfig {
         let c = &self.cluster;
-        let mut lease = LeaseConfig::new(
+        let lease = LeaseConfig::new(
             c.lease_namespace
                 .clone()
                 .unwrap_or_else(default_lease_namespace),
             c.lease_name.clone(),
             lease::default_identity(),
-        );
-        let duration = c.lease_duration.max(Duration::from_secs(3));
-        lease.duration = duration;
-        lease.renew_interval = duration / 3;
-        lease.renew_deadline = duration * 2 / 3;
+        )
+        .with_duration(c.lease_duration);
         ClusterConfig {
             aggregator: AggregatorConfig {
                 queue: QueueConfig {

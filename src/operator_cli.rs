@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+use reports_server_aggregator::cluster::lease;
 use reports_server_operator::{LeaseConfig, OperatorConfig, RunOptions};
 use tokio_util::sync::CancellationToken;
 
@@ -44,7 +45,7 @@ pub struct OperatorArgs {
         default_value = "reports-server-operator"
     )]
     lease_name: String,
-    /// This replica's identity in the Lease and in Events [default: host name].
+    /// This replica's identity in the Lease and in Events [default: `<hostname>_<pid>_<random>`].
     #[arg(long, env = "REPORTS_SERVER_OPERATOR_POD_NAME")]
     pod_name: Option<String>,
     /// Seconds a Lease stays valid without renewal.
@@ -94,11 +95,10 @@ pub struct OperatorArgs {
 
 pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     let client = crate::cluster_client(args.kubeconfig.as_deref()).await?;
-    let identity = args.pod_name.clone().unwrap_or_else(|| {
-        std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_else(|_| format!("reports-server-operator-{}", std::process::id()))
-    });
+    let identity = args
+        .pod_name
+        .clone()
+        .unwrap_or_else(lease::default_identity);
     let options = RunOptions {
         config: OperatorConfig {
             default_image: args.server_image,
@@ -111,11 +111,8 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         },
         metrics_address: args.metrics_address,
         lease: args.leader_election.then(|| {
-            let mut lease = LeaseConfig::new(args.lease_namespace, args.lease_name, identity);
-            let duration = Duration::from_secs(args.lease_duration_seconds.max(3));
-            lease.duration = duration;
-            lease.renew_interval = duration / 3;
-            lease.renew_deadline = duration * 2 / 3;
+            let mut lease = LeaseConfig::new(args.lease_namespace, args.lease_name, identity)
+                .with_duration(Duration::from_secs(args.lease_duration_seconds));
             lease.retry_interval = Duration::from_secs(args.lease_retry_seconds.max(1));
             lease
         }),

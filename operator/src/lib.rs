@@ -48,8 +48,7 @@ pub use reports_server_aggregator::cluster::lease::LeaseConfig;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use reports_server_aggregator::cluster::lease::KubeLease;
-use reports_server_aggregator::election::Elector;
+use reports_server_aggregator::cluster::lease;
 use tokio_util::sync::CancellationToken;
 
 /// How [`operate`] runs.
@@ -91,8 +90,7 @@ pub async fn operate(
     let work = async {
         match &options.lease {
             Some(lease) => {
-                let elector = Elector::new(KubeLease::new(client.clone(), lease), lease.timing());
-                elector
+                lease::elector(client.clone(), lease)
                     .run(
                         shutdown.clone(),
                         |term| run(ctx.clone(), term),

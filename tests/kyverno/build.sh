@@ -31,6 +31,8 @@ STAMP=$OUT/stamp
 BINARIES=(kyverno reports-controller background-controller)
 CRD_DIRS=(kyverno policies.kyverno.io)
 
+# shellcheck source=../lib/gomod.sh
+source "$(dirname "$0")/../lib/gomod.sh"
 log() { printf '[kyverno/build] %s\n' "$*" >&2; }
 die() {
     printf '[kyverno/build] ERROR: %s\n' "$*" >&2
@@ -109,19 +111,7 @@ mkdir -p "$W"
 (
     cd "$W"
     go mod init local/reports-server-e2e-kyverno >/dev/null 2>&1
-    args=()
-    # Single-line `replace a [v] => b [v]` and the lines of `replace ( ... )` blocks; comments
-    # stripped; local (./, ../) targets skipped.
-    while read -r line; do
-        [[ -z $line ]] && continue
-        lhs=$(echo ${line%%=>*} | tr ' ' @)
-        rhs=$(echo ${line#*=>} | tr ' ' @)
-        [[ $rhs == .* ]] && continue
-        args+=("-replace=$lhs=$rhs")
-    done < <(sed -e 's#//.*##' -n -e '/^replace[[:space:]]*(/,/^)/{/=>/p;}' -e 's/^replace[[:space:]]\{1,\}\([^(].*=>.*\)$/\1/p' "$KYV_GOMOD")
-    ((${#args[@]} > 0)) && log "replace directives copied from Kyverno's go.mod: ${args[*]}"
-    while read -r gd; do [[ -n $gd ]] && args+=("-godebug=$gd"); done < <(sed -n 's/^godebug[[:space:]]\{1,\}\([^()[:space:]]*\)$/\1/p' "$KYV_GOMOD")
-    ((${#args[@]} > 0)) && go mod edit "${args[@]}"
+    copy_main_module_directives "$KYV_GOMOD"
     KC=github.com/kyverno/kyverno/cmd
     go get "$KC/kyverno@$KYVERNO_VERSION" "$KC/reports-controller@$KYVERNO_VERSION" \
         "$KC/background-controller@$KYVERNO_VERSION" >&2

@@ -503,8 +503,11 @@ impl Kyverno {
         Ok(())
     }
 
-    /// Waits until Kyverno's policy-validating webhook configuration exists and a server-side
-    /// dry-run of an invalid ClusterPolicy is denied by Kyverno's webhook.
+    /// Waits until Kyverno's policy-validating webhook configuration exists, a server-side
+    /// dry-run of an invalid ClusterPolicy is denied by Kyverno's webhook, and one of a valid
+    /// ClusterPolicy is admitted. The second probe passes Kyverno's policy-mutating webhook,
+    /// which is registered before its serving certificate is loaded: kube-apiserver then gets
+    /// `remote error: tls: internal error` for a while after the validating webhook answers.
     async fn wait_webhook(&mut self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         // Schema-valid but semantically invalid (two rules with one name): only Kyverno's
@@ -521,14 +524,23 @@ impl Kyverno {
             "spec": {"background": false, "rules": [rule.clone(), rule]},
         })
         .to_string();
+        let valid_probe = serde_json::json!({
+            "apiVersion": "kyverno.io/v1",
+            "kind": "ClusterPolicy",
+            "metadata": {"name": "e2e-webhook-probe"},
+            "spec": {"background": false, "rules": [rule]},
+        })
+        .to_string();
         let mut last;
         loop {
             self.check_running()?;
+            // Both policy webhooks registered: otherwise the valid probe below would be
+            // admitted without reaching the mutating one.
             let webhook = self.kubectl.output(
                 &[
                     "get",
-                    "validatingwebhookconfiguration",
-                    "kyverno-policy-validating-webhook-cfg",
+                    "validatingwebhookconfiguration/kyverno-policy-validating-webhook-cfg",
+                    "mutatingwebhookconfiguration/kyverno-policy-mutating-webhook-cfg",
                     "-o",
                     "name",
                 ],
@@ -540,17 +552,29 @@ impl Kyverno {
                     .output(&["create", "--dry-run=server", "-f", "-"], Some(&probe))?;
                 let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
                 if !out.status.success() && stderr.contains("kyverno.svc") {
-                    return Ok(());
+                    let admitted = self.kubectl.output(
+                        &["create", "--dry-run=server", "-f", "-"],
+                        Some(&valid_probe),
+                    )?;
+                    if admitted.status.success() {
+                        return Ok(());
+                    }
+                    last = format!(
+                        "dry-run of a valid ClusterPolicy: exit {}, stderr {:?}",
+                        admitted.status,
+                        String::from_utf8_lossy(&admitted.stderr)
+                    );
+                } else {
+                    last = format!(
+                        "dry-run of an invalid ClusterPolicy: exit {}, stdout {:?}, stderr {:?}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stdout),
+                        stderr
+                    );
                 }
-                last = format!(
-                    "dry-run of an invalid ClusterPolicy: exit {}, stdout {:?}, stderr {:?}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stdout),
-                    stderr
-                );
             } else {
                 last = format!(
-                    "no kyverno-policy-validating-webhook-cfg yet: {}",
+                    "Kyverno's policy webhook configurations not both registered yet: {}",
                     String::from_utf8_lossy(&webhook.stderr).trim()
                 );
             }

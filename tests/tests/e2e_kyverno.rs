@@ -437,31 +437,10 @@ impl Env {
         )
     }
 
-    /// `kubectl apply`, retried for up to 30 s while kube-apiserver cannot reach one of
-    /// Kyverno's webhooks: Kyverno registers its mutating policy webhook before that webhook's
-    /// serving certificate is loaded, so the first call can fail its TLS handshake ("remote
-    /// error: tls: internal error") although the validating one already answers.
     fn apply(&self, manifest: &Value) -> Result<()> {
-        let manifest = manifest.to_string();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match self
-                .admin
-                .run_with_stdin(&["apply", "-f", "-"], Some(&manifest))
-            {
-                Ok(_) => return Ok(()),
-                Err(e)
-                    if format!("{e:#}").contains("failed calling webhook")
-                        && Instant::now() < deadline =>
-                {
-                    eprintln!(
-                        "[kyverno-e2e] a Kyverno webhook is not reachable yet; retrying: {e:#}"
-                    );
-                    std::thread::sleep(Duration::from_secs(1));
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        self.admin
+            .run_with_stdin(&["apply", "-f", "-"], Some(&manifest.to_string()))
+            .map(|_| ())
     }
 
     async fn create_namespace(&self, name: &str, labels: Value) -> Result<Namespace> {

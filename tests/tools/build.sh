@@ -26,6 +26,8 @@ ARGOCD_VERSION=v3.6.1
 HERE=$(cd "$(dirname "$0")" && pwd)
 CACHE_ROOT=${REPORTS_SERVER_CACHE:-$HOME/.cache/reports-server}
 
+# shellcheck source=../lib/gomod.sh
+source "$HERE/../lib/gomod.sh"
 log() { printf '[tools/build] %s\n' "$*" >&2; }
 die() {
     printf '[tools/build] ERROR: %s\n' "$*" >&2
@@ -43,22 +45,6 @@ ARGOCD_GOTOOLCHAIN=${REPORTS_SERVER_GOTOOLCHAIN:-go1.27.0}
 export GOTOOLCHAIN=${REPORTS_SERVER_GOTOOLCHAIN:-local} CGO_ENABLED=0 GOWORK=off GO111MODULE=on
 BUILD_P=()
 [[ -n ${REPORTS_SERVER_GO_BUILD_P:-} ]] && BUILD_P=(-p "$REPORTS_SERVER_GO_BUILD_P")
-
-# copy_replaces GOMOD: copies non-local replace and godebug lines of GOMOD into ./go.mod
-copy_replaces() {
-    local gomod=$1 line lhs rhs gd
-    local args=()
-    while read -r line; do
-        [[ -z $line ]] && continue
-        lhs=$(echo ${line%%=>*} | tr ' ' @)
-        rhs=$(echo ${line#*=>} | tr ' ' @)
-        [[ $rhs == .* ]] && continue
-        args+=("-replace=$lhs=$rhs")
-    done < <(sed -e 's#//.*##' -n -e '/^replace[[:space:]]*(/,/^)/{/=>/p;}' -e 's/^replace[[:space:]]\{1,\}\([^(].*=>.*\)$/\1/p' "$gomod")
-    while read -r gd; do [[ -n $gd ]] && args+=("-godebug=$gd"); done < <(sed -n 's/^godebug[[:space:]]\{1,\}\([^()[:space:]]*\)$/\1/p' "$gomod")
-    ((${#args[@]} > 0)) && go mod edit "${args[@]}"
-    return 0
-}
 
 # build NAME MODULE VERSION PACKAGE [SOURCE_DIR]: builds PACKAGE (or SOURCE_DIR/main.go in the
 # wrapper module) into $CACHE_ROOT/tools/NAME-VERSION/bin/NAME and prints that path.
@@ -91,7 +77,7 @@ If the error says 'requires go >= X', install that Go or set REPORTS_SERVER_GOTO
         local gomod
         gomod=$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p' <<<"$json")
         [[ -f $gomod ]] || die "no go.mod for $module@$version"
-        copy_replaces "$gomod"
+        copy_main_module_directives "$gomod"
         if [[ -n $source ]]; then
             cp "$source/main.go" .
             go get "$module@$version" >&2

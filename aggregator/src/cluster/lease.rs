@@ -68,6 +68,16 @@ impl LeaseConfig {
         }
     }
 
+    /// The same Lease with `duration` (at least 3 s) and the renew interval and deadline at a
+    /// third and two thirds of it, the proportions of the defaults.
+    pub fn with_duration(mut self, duration: Duration) -> Self {
+        let duration = duration.max(Duration::from_secs(3));
+        self.duration = duration;
+        self.renew_interval = duration / 3;
+        self.renew_deadline = duration * 2 / 3;
+        self
+    }
+
     /// The election timing these settings describe.
     pub fn timing(&self) -> ElectionTiming {
         ElectionTiming {
