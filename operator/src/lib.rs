@@ -25,6 +25,7 @@ pub mod controller;
 pub mod desired;
 pub mod http;
 pub mod manifests;
+pub mod migration;
 pub mod status;
 pub mod tls;
 

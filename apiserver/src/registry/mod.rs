@@ -25,7 +25,7 @@ use reports_server_crds::ResourceDescriptor;
 
 pub use error::{Cause, RegistryError};
 pub use list::{ListOptions, ListResult};
-pub use operations::{Patch, Registry, WriteOptions, Written};
+pub use operations::{Imported, Patch, Registry, WriteOptions, Written, same_content};
 pub use rules::{
     DeletePreconditions, FieldValidation, INTERNAL_MANAGER, Validation, decide_apply,
     decide_delete, decide_update, decide_update_as, prepare_create, prepare_create_as, stamp_new,

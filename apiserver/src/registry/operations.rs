@@ -11,7 +11,9 @@ use super::rules::{
     prepare_create_as,
 };
 use super::{Admission, ListOptions, ListResult, RegistryError, ResourceRef};
+use crate::store::write_target::Target;
 use crate::store::{EventType, Mutation, Store, StoreError, write_target};
+use reports_server_crds::ResourceDescriptor;
 
 /// The object rules bound to a store and (behind kube-apiserver) an admission check.
 #[derive(Clone)]
@@ -38,6 +40,54 @@ pub struct Written {
     pub created: bool,
     /// Field-validation warnings (`Warning` headers).
     pub warnings: Vec<String>,
+}
+
+/// What [`Registry::import`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Imported {
+    /// Objects created or replaced.
+    pub written: usize,
+    /// Objects whose stored copy was already the same.
+    pub unchanged: usize,
+}
+
+/// The (namespace, name) of an object to import, checked against the kind's scope.
+fn import_key(
+    resource: &'static ResourceDescriptor,
+    object: &Value,
+) -> Result<(String, String), RegistryError> {
+    let text = |field: &str| object["metadata"][field].as_str().unwrap_or("").to_owned();
+    let (namespace, name) = (text("namespace"), text("name"));
+    if name.is_empty() || object["metadata"]["uid"].as_str().unwrap_or("").is_empty() {
+        return Err(RegistryError::bad_request(format!(
+            "cannot import a {} without metadata.name and metadata.uid",
+            resource.kind
+        )));
+    }
+    if resource.namespaced == namespace.is_empty() {
+        return Err(RegistryError::bad_request(format!(
+            "cannot import {} {name:?}: namespace {namespace:?} does not fit a {} kind",
+            resource.kind,
+            if resource.namespaced {
+                "namespaced"
+            } else {
+                "cluster-scoped"
+            }
+        )));
+    }
+    Ok((namespace, name))
+}
+
+/// Equal but for `metadata.resourceVersion`, which each storage assigns itself.
+pub fn same_content(a: &Value, b: &Value) -> bool {
+    let strip = |v: &Value| {
+        let mut v = v.clone();
+        if let Some(meta) = v.get_mut("metadata").and_then(Value::as_object_mut) {
+            meta.remove("resourceVersion");
+        }
+        v
+    };
+    strip(a) == strip(b)
 }
 
 /// A patch body that is not server-side apply.
@@ -138,6 +188,69 @@ impl Registry {
             created: true,
             warnings,
         })
+    }
+
+    /// Stores objects copied from another storage (etcd-backed CRDs) exactly as they are there:
+    /// uid, creationTimestamp, generation, labels, annotations, ownerReferences, finalizers and
+    /// managedFields are kept, only our resourceVersion is assigned. An object whose stored copy
+    /// already equals it (resourceVersion aside) is left alone, so copying again after a restart
+    /// writes nothing twice. One transaction: all of `objects` or none.
+    pub async fn import(
+        &self,
+        resource: &'static ResourceDescriptor,
+        objects: Vec<Value>,
+    ) -> Result<Imported, RegistryError> {
+        let mut keys = Vec::with_capacity(objects.len());
+        for object in &objects {
+            keys.push(import_key(resource, object)?);
+        }
+        let targets: Vec<Target<'_>> = keys
+            .iter()
+            .map(|(namespace, name)| Target {
+                resource,
+                namespace,
+                name,
+            })
+            .collect();
+        let mut objects: Vec<Option<Value>> = objects.into_iter().map(Some).collect();
+        let outcomes = self
+            .store
+            .mutate_batch::<RegistryError, _>(&targets, false, |i, current| {
+                let object = objects[i].take().expect("one decision per target");
+                Ok(match current {
+                    Some(current) if same_content(&current, &object) => Mutation::Unchanged,
+                    _ => Mutation::Put(object),
+                })
+            })
+            .await?;
+        let written = outcomes.iter().filter(|o| o.event.is_some()).count();
+        Ok(Imported {
+            written,
+            unchanged: outcomes.len() - written,
+        })
+    }
+
+    /// Removes the objects at `keys` (namespace, name) in one transaction, whatever their
+    /// finalizers: the copy is being brought in line with a source where they no longer exist.
+    /// Returns how many existed.
+    pub async fn remove(
+        &self,
+        resource: &'static ResourceDescriptor,
+        keys: &[(String, String)],
+    ) -> Result<usize, RegistryError> {
+        let targets: Vec<Target<'_>> = keys
+            .iter()
+            .map(|(namespace, name)| Target {
+                resource,
+                namespace,
+                name,
+            })
+            .collect();
+        let outcomes = self
+            .store
+            .mutate_batch::<RegistryError, _>(&targets, false, |_, _| Ok(Mutation::Delete))
+            .await?;
+        Ok(outcomes.iter().filter(|o| o.event.is_some()).count())
     }
 
     pub async fn update(

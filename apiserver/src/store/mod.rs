@@ -309,6 +309,12 @@ impl Store {
     pub async fn compact(&self) -> Result<i64, StoreError> {
         write::compact(self).await
     }
+
+    /// Raises the resourceVersion counter and the watch horizon to at least `floor` (see
+    /// [`write::raise_version_floor`]); returns the new `(current, compacted)` pair.
+    pub async fn raise_version_floor(&self, floor: i64) -> Result<(i64, i64), StoreError> {
+        write::raise_version_floor(self, floor).await
+    }
 }
 
 /// The URL schemes the store has drivers for.

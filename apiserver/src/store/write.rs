@@ -658,3 +658,52 @@ pub(super) async fn compact(store: &Store) -> Result<i64, StoreError> {
     txn.commit().await?;
     Ok(horizon)
 }
+
+/// Moves the resourceVersion counter and the watch horizon up to at least `floor`, in one
+/// transaction under the write lock; returns the new `(current, compacted)` pair.
+///
+/// Taking over a group from etcd-backed storage needs it: clients still hold etcd revisions
+/// (from lists, watches and bookmarks), and a revision that also names one of our versions
+/// would resume a watch at the wrong place. With every version of ours above `floor` and
+/// everything up to it compacted, such a revision gets 410 Gone and the client relists.
+pub(super) async fn raise_version_floor(
+    store: &Store,
+    floor: i64,
+) -> Result<(i64, i64), StoreError> {
+    let _guard = store.write_lock.lock().await;
+    let txn = store.connection().begin().await?;
+    // The counter's row lock orders this against writers in other processes too.
+    txn.execute(
+        &Query::update()
+            .table(StoreState::Table)
+            .value(StoreState::Rv, Expr::col(StoreState::Rv))
+            .and_where(Expr::col(StoreState::ClusterId).eq(store.cluster_id()))
+            .to_owned(),
+    )
+    .await?;
+    let (current, compacted) =
+        super::read::versions(&txn, store.backend(), store.cluster_id()).await?;
+    let (current, compacted) = (
+        std::cmp::max(current, floor),
+        std::cmp::max(compacted, floor),
+    );
+    txn.execute(
+        &Query::delete()
+            .from_table(Changes::Table)
+            .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
+            .and_where(Expr::col(Changes::Rv).lte(compacted))
+            .to_owned(),
+    )
+    .await?;
+    txn.execute(
+        &Query::update()
+            .table(StoreState::Table)
+            .value(StoreState::Rv, current)
+            .value(StoreState::CompactedRv, compacted)
+            .and_where(Expr::col(StoreState::ClusterId).eq(store.cluster_id()))
+            .to_owned(),
+    )
+    .await?;
+    txn.commit().await?;
+    Ok((current, compacted))
+}

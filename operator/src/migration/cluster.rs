@@ -1,0 +1,365 @@
+//! The cluster side of a migration, through kube-apiserver: the CRD storage while a group's
+//! APIService is still Local (lists, watches, reads), the write fence, and the APIServices.
+//! Objects travel as raw JSON so that nothing a typed client does not know is lost on the way.
+
+use std::collections::BTreeMap;
+
+use futures::{Stream, StreamExt};
+use http::Request;
+use kube::core::WatchEvent;
+use reports_server_crds::ResourceDescriptor;
+use serde_json::{Value, json};
+
+use super::MigrationError;
+use super::plan::{FENCE_NAME, ObjectKey};
+
+/// One page of a list.
+pub struct Page {
+    pub items: Vec<Value>,
+    /// The list's resourceVersion (the etcd revision it was read at).
+    pub resource_version: String,
+    pub continue_token: Option<String>,
+}
+
+/// kube-apiserver, as the migration uses it.
+#[derive(Clone)]
+pub struct Cluster {
+    client: kube::Client,
+}
+
+fn collection_path(r: &ResourceDescriptor) -> String {
+    format!("/apis/{}/{}/{}", r.group, r.version, r.plural)
+}
+
+fn object_path(r: &ResourceDescriptor, key: &ObjectKey) -> String {
+    if r.namespaced {
+        format!(
+            "/apis/{}/{}/namespaces/{}/{}/{}",
+            r.group, r.version, key.namespace, r.plural, key.name
+        )
+    } else {
+        format!("{}/{}", collection_path(r), key.name)
+    }
+}
+
+/// `resourceVersion` of a list as a number (etcd revisions and ours are both integers).
+pub fn revision_of(list: &Value) -> Option<i64> {
+    list["metadata"]["resourceVersion"].as_str()?.parse().ok()
+}
+
+impl Cluster {
+    pub fn new(client: kube::Client) -> Self {
+        Cluster { client }
+    }
+
+    pub fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
+    async fn get_json(&self, path: &str) -> Result<Option<Value>, MigrationError> {
+        let request = Request::get(path).body(Vec::new()).expect("valid request");
+        match self.client.request::<Value>(request).await {
+            Ok(v) => Ok(Some(v)),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(None),
+            Err(e) => Err(MigrationError::kube(format!("GET {path}"), e)),
+        }
+    }
+
+    async fn send_json(
+        &self,
+        method: &str,
+        path: &str,
+        content_type: &str,
+        body: &Value,
+    ) -> Result<Value, kube::Error> {
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(http::header::CONTENT_TYPE, content_type)
+            .body(serde_json::to_vec(body).expect("JSON values serialize"))
+            .expect("valid request");
+        self.client.request::<Value>(request).await
+    }
+
+    /// Whether the CRD of `r` is installed.
+    pub async fn crd_exists(&self, r: &ResourceDescriptor) -> Result<bool, MigrationError> {
+        let path = format!(
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{}",
+            r.crd_name()
+        );
+        Ok(self.get_json(&path).await?.is_some())
+    }
+
+    pub async fn apiservice(&self, name: &str) -> Result<Option<Value>, MigrationError> {
+        self.get_json(&format!(
+            "/apis/apiregistration.k8s.io/v1/apiservices/{name}"
+        ))
+        .await
+    }
+
+    pub async fn patch_apiservice(&self, name: &str, patch: &Value) -> Result<(), MigrationError> {
+        let path = format!("/apis/apiregistration.k8s.io/v1/apiservices/{name}");
+        self.send_json("PATCH", &path, "application/merge-patch+json", patch)
+            .await
+            .map_err(|e| MigrationError::kube(format!("PATCH {path}"), e))?;
+        Ok(())
+    }
+
+    /// Whether kube-aggregator reports the APIService `Available`.
+    pub async fn apiservice_available(&self, name: &str) -> Result<bool, MigrationError> {
+        Ok(self.apiservice(name).await?.is_some_and(|a| {
+            a["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Available" && c["status"] == "True")
+            })
+        }))
+    }
+
+    /// One page of every object of `r`, in all namespaces.
+    pub async fn list_page(
+        &self,
+        r: &ResourceDescriptor,
+        limit: u32,
+        continue_token: Option<&str>,
+    ) -> Result<Page, MigrationError> {
+        let mut path = format!("{}?limit={limit}", collection_path(r));
+        if let Some(token) = continue_token {
+            path.push_str("&continue=");
+            path.push_str(&urlencode(token));
+        }
+        let list = self.get_json(&path).await?.ok_or_else(|| {
+            MigrationError::Source(format!("GET {path}: 404 (is the CRD installed?)"))
+        })?;
+        Ok(Page {
+            resource_version: list["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned(),
+            continue_token: list["metadata"]["continue"]
+                .as_str()
+                .filter(|t| !t.is_empty())
+                .map(str::to_owned),
+            items: match list {
+                Value::Object(mut m) => match m.remove("items") {
+                    Some(Value::Array(items)) => items,
+                    _ => Vec::new(),
+                },
+                _ => Vec::new(),
+            },
+        })
+    }
+
+    /// The key and resourceVersion of every object of `r` (metadata-only pages), and the
+    /// revision the list was read at.
+    pub async fn list_versions(
+        &self,
+        r: &ResourceDescriptor,
+        limit: u32,
+    ) -> Result<(BTreeMap<ObjectKey, String>, i64), MigrationError> {
+        let mut out = BTreeMap::new();
+        let mut token: Option<String> = None;
+        let mut revision = 0;
+        loop {
+            let mut path = format!("{}?limit={limit}", collection_path(r));
+            if let Some(t) = &token {
+                path.push_str("&continue=");
+                path.push_str(&urlencode(t));
+            }
+            let request = Request::get(&path)
+                .header(
+                    http::header::ACCEPT,
+                    "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1",
+                )
+                .body(Vec::new())
+                .expect("valid request");
+            let list: Value = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| MigrationError::kube(format!("GET {path} (metadata)"), e))?;
+            if token.is_none() {
+                revision = revision_of(&list).unwrap_or(0);
+            }
+            for item in list["items"].as_array().into_iter().flatten() {
+                out.insert(
+                    ObjectKey::of(item),
+                    item["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_owned(),
+                );
+            }
+            token = list["metadata"]["continue"]
+                .as_str()
+                .filter(|t| !t.is_empty())
+                .map(str::to_owned);
+            if token.is_none() {
+                return Ok((out, revision));
+            }
+        }
+    }
+
+    pub async fn get(
+        &self,
+        r: &ResourceDescriptor,
+        key: &ObjectKey,
+    ) -> Result<Option<Value>, MigrationError> {
+        self.get_json(&object_path(r, key)).await
+    }
+
+    /// The resourceVersion of a one-item list of `r` as kube-apiserver answers it now: from etcd
+    /// while the group is Local, from us once it is routed to us.
+    pub async fn served_revision(
+        &self,
+        r: &ResourceDescriptor,
+    ) -> Result<Option<i64>, MigrationError> {
+        let path = format!("{}?limit=1", collection_path(r));
+        let request = Request::get(&path).body(Vec::new()).expect("valid request");
+        match self.client.request::<Value>(request).await {
+            Ok(list) => Ok(revision_of(&list)),
+            // Not routed yet, or routed to a server that is not up: not ours (yet).
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 503 => Ok(None),
+            Err(e) => Err(MigrationError::kube(format!("GET {path}"), e)),
+        }
+    }
+
+    /// Changes to `r` after `resource_version` (with bookmarks), until kube-apiserver ends the
+    /// watch.
+    pub async fn watch(
+        &self,
+        r: &ResourceDescriptor,
+        resource_version: &str,
+    ) -> Result<impl Stream<Item = Result<WatchEvent<Value>, kube::Error>> + use<>, MigrationError>
+    {
+        let path = format!(
+            "{}?watch=1&allowWatchBookmarks=true&timeoutSeconds=290&resourceVersion={}",
+            collection_path(r),
+            urlencode(resource_version)
+        );
+        let request = Request::get(&path).body(Vec::new()).expect("valid request");
+        let stream = self
+            .client
+            .request_events::<Value>(request)
+            .await
+            .map_err(|e| MigrationError::kube(format!("GET {path}"), e))?;
+        Ok(stream.boxed())
+    }
+
+    /// Creates or replaces the fence (a ValidatingAdmissionPolicy and its binding).
+    pub async fn apply_fence(&self, policy: &Value, binding: &Value) -> Result<(), MigrationError> {
+        for (object, plural) in [
+            (policy, "validatingadmissionpolicies"),
+            (binding, "validatingadmissionpolicybindings"),
+        ] {
+            let path = format!(
+                "/apis/admissionregistration.k8s.io/v1/{plural}/{FENCE_NAME}?fieldManager=reports-server-migration&force=true"
+            );
+            self.send_json("PATCH", &path, "application/apply-patch+yaml", object)
+                .await
+                .map_err(|e| MigrationError::kube(format!("apply {plural}/{FENCE_NAME}"), e))?;
+        }
+        Ok(())
+    }
+
+    pub async fn fence_exists(&self) -> Result<bool, MigrationError> {
+        Ok(self
+            .get_json(&format!(
+                "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings/{FENCE_NAME}"
+            ))
+            .await?
+            .is_some())
+    }
+
+    /// Removes the fence; a missing fence is fine.
+    pub async fn remove_fence(&self) -> Result<(), MigrationError> {
+        for plural in [
+            "validatingadmissionpolicybindings",
+            "validatingadmissionpolicies",
+        ] {
+            let path = format!("/apis/admissionregistration.k8s.io/v1/{plural}/{FENCE_NAME}");
+            let request = Request::delete(&path)
+                .body(Vec::new())
+                .expect("valid request");
+            match self.client.request::<Value>(request).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => return Err(MigrationError::kube(format!("DELETE {path}"), e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether kube-apiserver refuses writes to `r` because of the fence: a dry-run create that
+    /// the fence must deny.
+    pub async fn fence_holds(&self, r: &ResourceDescriptor) -> Result<bool, MigrationError> {
+        let mut probe = json!({
+            "apiVersion": r.api_version(),
+            "kind": r.kind,
+            "metadata": {"name": "reports-server-migration-fence-probe"},
+        });
+        if r.namespaced {
+            probe["metadata"]["namespace"] = json!("default");
+        }
+        let path = if r.namespaced {
+            format!(
+                "/apis/{}/{}/namespaces/default/{}?dryRun=All",
+                r.group, r.version, r.plural
+            )
+        } else {
+            format!("{}?dryRun=All", collection_path(r))
+        };
+        match self
+            .send_json("POST", &path, "application/json", &probe)
+            .await
+        {
+            Err(kube::Error::Api(s)) if s.message.contains(FENCE_NAME) => Ok(true),
+            Ok(_) | Err(kube::Error::Api(_)) => Ok(false),
+            Err(e) => Err(MigrationError::kube(format!("POST {path} (dry run)"), e)),
+        }
+    }
+}
+
+/// Percent-encodes a query parameter value (continue tokens are base64 with `=` and `/`).
+fn urlencode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(b as char)
+            }
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_values_are_percent_encoded() {
+        assert_eq!(urlencode("eyJ2Ijo=/+"), "eyJ2Ijo%3D%2F%2B");
+        assert_eq!(urlencode("123"), "123");
+    }
+
+    #[test]
+    fn paths_follow_the_scope() {
+        let key = ObjectKey {
+            namespace: "ns".into(),
+            name: "n".into(),
+        };
+        assert_eq!(
+            object_path(&reports_server_crds::catalog::POLICY_REPORT, &key),
+            "/apis/wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/n"
+        );
+        let key = ObjectKey {
+            namespace: String::new(),
+            name: "n".into(),
+        };
+        assert_eq!(
+            object_path(&reports_server_crds::catalog::CLUSTER_POLICY_REPORT, &key),
+            "/apis/wgpolicyk8s.io/v1alpha2/clusterpolicyreports/n"
+        );
+    }
+}
