@@ -109,6 +109,8 @@ write_users() { # dir name uid
 
 rootfs_reports_server() { # dir binary
     local dir=$1 bin=$2
+    mkdir -p "$dir"
+    chmod 0755 "$dir"
     [[ -f $CA_FILE ]] || die "$CA_FILE not found: install ca-certificates"
     readelf -l "$bin" | grep -q 'Requesting program interpreter' &&
         die "$bin is dynamically linked; the image is FROM scratch and needs a static binary"
@@ -143,6 +145,9 @@ rootfs_postgres() { # dir
     ln -s "$v/bin" "$dir/usr/lib/postgresql/bin"
     cp -a "/usr/share/postgresql/$v" "$dir/usr/share/postgresql/$v"
     [[ -d /usr/share/zoneinfo ]] && mkdir -p "$dir/usr/share" && cp -a /usr/share/zoneinfo "$dir/usr/share/zoneinfo"
+    # LANG=C.UTF-8 (initdb's default locale) needs glibc's compiled C.utf8 locale.
+    [[ -d /usr/lib/locale/C.utf8 ]] || die "no /usr/lib/locale/C.utf8 (Debian's libc-bin ships it)"
+    mkdir -p "$dir/usr/lib/locale" && cp -a /usr/lib/locale/C.utf8 "$dir/usr/lib/locale/"
     cp /bin/busybox "$dir/bin/busybox"
     for a in sh cat chmod chown env id ls mkdir rm su; do ln -s busybox "$dir/bin/$a"; done
     # Shared libraries of every server binary, with the dynamic loader, at their Debian paths.
@@ -189,6 +194,8 @@ build_image() { # name out [binary]
     local name=$1 out=$2 bin=${3:-} rootfs
     [[ $(id -u) == 0 ]] || die "building images needs root (the layer keeps per-file ownership)"
     rootfs=$(mktemp -d "${TMPDIR:-/tmp}/reports-server-rootfs.XXXXXX")
+    # mktemp makes the directory 0700; it becomes the image's "/", which every user must traverse.
+    chmod 0755 "$rootfs"
     # shellcheck disable=SC2064
     trap "rm -rf '$rootfs'" RETURN
     case $name in

@@ -27,7 +27,9 @@ if [ "$(id -u)" = 0 ]; then
     mkdir -p "$PGDATA"
     chown postgres:postgres "$PGDATA" /var/run/postgresql
     chmod 0700 "$PGDATA"
-    exec su -s /bin/sh postgres -c 'exec /bin/docker-entrypoint.sh "$@"' sh "$@"
+    # Options before the user name and `--` after it: otherwise busybox su would parse the
+    # server's own `-c name=value` arguments as its -c.
+    exec su -s /bin/sh -c 'exec /bin/docker-entrypoint.sh "$@"' postgres -- sh "$@"
 fi
 
 POSTGRES_USER=${POSTGRES_USER:-postgres}
@@ -46,7 +48,7 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
     printf '%s\n' "${POSTGRES_PASSWORD:-}" >"$pwfile"
     # shellcheck disable=SC2086
     initdb --username="$POSTGRES_USER" --pwfile="$pwfile" --auth-local=trust --auth-host="$AUTH" \
-        ${POSTGRES_INITDB_ARGS:-} >/dev/stderr
+        ${POSTGRES_INITDB_ARGS:-} >&2
     rm -f "$pwfile"
     {
         echo "listen_addresses = '*'"
@@ -54,7 +56,7 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
     echo "host all all all $AUTH" >>"$PGDATA/pg_hba.conf"
     if [ "$POSTGRES_DB" != postgres ]; then
         # Single-user mode needs no socket and no client binary (the image has no psql).
-        echo "CREATE DATABASE \"$POSTGRES_DB\";" | postgres --single -D "$PGDATA" -j postgres >/dev/stderr
+        echo "CREATE DATABASE \"$POSTGRES_DB\";" | postgres --single -D "$PGDATA" -j postgres >&2
     fi
     echo "PostgreSQL init process complete; ready for start up." >&2
 fi
