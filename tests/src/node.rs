@@ -261,10 +261,19 @@ fn outer(test_name: &str) -> Result<()> {
         "[node] inner test ran {inner_time:.1?}; whole test {:.1?}",
         t0.elapsed()
     );
+    let leak_note = if leaks.is_empty() {
+        String::from("nothing was left on the machine")
+    } else {
+        format!("traces left on the machine:\n{}", leaks.join("\n"))
+    };
     match status {
         Some(s) if s.success() => {}
-        Some(s) => bail!("the isolated test {test_name} failed ({s}); see its output above"),
-        None => bail!("the isolated test {test_name} did not finish in {INNER_TIMEOUT:?}"),
+        Some(s) => {
+            bail!("the isolated test {test_name} failed ({s}); see its output above; {leak_note}")
+        }
+        None => {
+            bail!("the isolated test {test_name} did not finish in {INNER_TIMEOUT:?}; {leak_note}")
+        }
     }
     cleanup?;
     ensure!(
@@ -842,7 +851,7 @@ oom_score = 0
     async fn start_scheduler(&mut self, bin: &Path) -> Result<()> {
         let [port] = free_ports::<1>()?;
         let cert = self
-            .cp
+            .cp()
             .issue_serving_cert("kube-scheduler", &["localhost", "127.0.0.1"])
             .await?;
         let kc = self.cp().kubeconfig_path().display().to_string();
@@ -885,7 +894,7 @@ oom_score = 0
 
     async fn start_kubelet(&mut self, bin: &Path, cgroup_root: &str) -> Result<()> {
         let cert = self
-            .cp
+            .cp()
             .issue_client_cert(&format!("system:node:{NODE_NAME}"), &["system:nodes"])
             .await?;
         let kubeconfig = self.cp().kubeconfig_for_server(

@@ -142,7 +142,17 @@ async fn scenarios(node: &Node, run: &RunDir) -> Result<()> {
     kubectl.run_with_stdin(&["apply", "-f", "-"], Some(&deployment_manifest("2")))?;
     rollout(&kubectl, "deployment/reports-server", node).await?;
     let rolled_in = t.elapsed();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The old pods terminate after the rollout is complete (preStop sleep, then SIGTERM): keep
+    // polling until they are gone, then a little longer.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while pods(node)?.iter().any(|p| old_pods.contains(p)) {
+        ensure!(
+            Instant::now() < deadline,
+            "the old pods did not terminate in 60s"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
     stop.store(true, Ordering::Relaxed);
     poller.await?;
     let new_pods = pods(node)?;
@@ -381,6 +391,18 @@ apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRoleBinding
 metadata: {{name: reports-server-auth-delegator}}
 roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:auth-delegator"}}
+subjects: [{{kind: ServiceAccount, name: reports-server, namespace: {NS}}}]
+---
+# The server watches Namespaces (to refuse reports in namespaces that do not exist).
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {{name: reports-server-namespaces}}
+rules: [{{apiGroups: [""], resources: [namespaces], verbs: [get, list, watch]}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {{name: reports-server-namespaces}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: reports-server-namespaces}}
 subjects: [{{kind: ServiceAccount, name: reports-server, namespace: {NS}}}]
 ---
 # The front-proxy CA and allowed names (ConfigMap kube-system/extension-apiserver-authentication).
