@@ -576,7 +576,7 @@ pub struct Node {
     cp: Option<ControlPlane>,
     dir: PathBuf,
     procs: Vec<(&'static str, Child)>,
-    forwarder: Option<tokio::task::JoinHandle<()>>,
+    forwarder: Option<ForwarderGuard>,
     containerd_socket: PathBuf,
 }
 
@@ -1009,9 +1009,7 @@ oom_score = 0
     }
 
     fn shutdown(&mut self) {
-        if let Some(f) = self.forwarder.take() {
-            f.abort();
-        }
+        self.forwarder = None;
         // Reverse start order: kubelet, kube-scheduler, containerd.
         while let Some((name, mut child)) = self.procs.pop() {
             if name == "containerd" {
@@ -1131,26 +1129,59 @@ fn setup_network() -> Result<()> {
 }
 
 /// Forwards `10.0.0.1:443` (the `kubernetes` Service) to kube-apiserver's loopback port, so that
-/// in-cluster clients in pods work without kube-proxy.
-async fn forward_kubernetes_service(cp: &ControlPlane) -> Result<tokio::task::JoinHandle<()>> {
+/// in-cluster clients in pods work without kube-proxy. It runs on a runtime of its own thread:
+/// the test's runtime is blocked for seconds at a time by synchronous `kubectl` calls, and pods
+/// whose API calls stall behind them would fail their readiness (seen as a hung rollout).
+async fn forward_kubernetes_service(cp: &ControlPlane) -> Result<ForwarderGuard> {
     let target = cp
         .server_url()
         .strip_prefix("https://")
         .ok_or_else(|| anyhow!("unexpected server URL {}", cp.server_url()))?
         .to_string();
-    let listener = tokio::net::TcpListener::bind((KUBERNETES_SERVICE_IP, 443))
-        .await
+    let listener = std::net::TcpListener::bind((KUBERNETES_SERVICE_IP, 443))
         .context("binding 10.0.0.1:443 for the kubernetes Service")?;
-    Ok(tokio::spawn(async move {
-        while let Ok((mut inbound, _)) = listener.accept().await {
-            let target = target.clone();
-            tokio::spawn(async move {
-                if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+    listener.set_nonblocking(true)?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("kubernetes-service-forwarder".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("forwarder runtime");
+            rt.block_on(async move {
+                let listener =
+                    tokio::net::TcpListener::from_std(listener).expect("forwarder listener");
+                let accept = async {
+                    while let Ok((mut inbound, _)) = listener.accept().await {
+                        let target = target.clone();
+                        tokio::spawn(async move {
+                            if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await
+                            {
+                                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound)
+                                    .await;
+                            }
+                        });
+                    }
+                };
+                tokio::select! {
+                    _ = accept => {}
+                    _ = stop_rx => {}
                 }
             });
+        })?;
+    Ok(ForwarderGuard(Some(stop_tx)))
+}
+
+/// Stops the forwarder thread when dropped.
+struct ForwarderGuard(Option<tokio::sync::oneshot::Sender<()>>);
+
+impl Drop for ForwarderGuard {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
         }
-    }))
+    }
 }
 
 fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) {
