@@ -6,6 +6,8 @@
 #   REPORTS_SERVER_CACHE=/some/dir bash ...   # cache root (default ~/.cache/reports-server)
 #   REPORTS_SERVER_GO_BUILD_P=1 bash ...      # go build -p N (default: Go's default, #CPUs)
 #   REPORTS_SERVER_REBUILD=1 bash ...         # ignore the stamp and rebuild
+#   bash tests/controlplane/build.sh node     # kubelet + kube-scheduler instead (a real node, see
+#                                             # tests/src/node.rs), same pin, own cache directory
 #
 # See docs/e2e.md. Wrapper modules live in the cache directory, never in the repository.
 set -euo pipefail
@@ -23,10 +25,29 @@ KUBE_TAGS=selinux,notest,grpcnotrace
 # ------------------------------------------------------------------------------------------------
 
 CACHE_ROOT=${REPORTS_SERVER_CACHE:-$HOME/.cache/reports-server}
-OUT=$CACHE_ROOT/controlplane/k8s-$KUBE_VERSION-etcd-$ETCD_VERSION
+# What to build: the control plane (default) or the node's Kubernetes binaries. The node binaries
+# get their own cache directory, keyed by the same Kubernetes version, so adding them never
+# invalidates the control plane's cache (and a CI machine with a warm control-plane cache only
+# builds the two new binaries).
+TARGET=${1:-controlplane}
+case $TARGET in
+controlplane)
+    OUT=$CACHE_ROOT/controlplane/k8s-$KUBE_VERSION-etcd-$ETCD_VERSION
+    BINARIES=(etcd kube-apiserver kube-controller-manager)
+    KUBE_CMDS=(kube-apiserver kube-controller-manager)
+    ;;
+node)
+    OUT=$CACHE_ROOT/node/k8s-$KUBE_VERSION
+    BINARIES=(kubelet kube-scheduler)
+    KUBE_CMDS=(kubelet kube-scheduler)
+    ;;
+*)
+    printf '[controlplane/build] ERROR: unknown target %s (expected controlplane or node)\n' "$TARGET" >&2
+    exit 2
+    ;;
+esac
 BIN=$OUT/bin
 STAMP=$OUT/stamp
-BINARIES=(etcd kube-apiserver kube-controller-manager)
 
 log() { printf '[controlplane/build] %s\n' "$*" >&2; }
 die() {
@@ -89,7 +110,7 @@ K8S_GOMOD=$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p' "$WORK/k8s.j
 [[ -f $K8S_GOMOD ]] || die "could not find the go.mod of k8s.io/kubernetes@v$KUBE_VERSION (go mod download -json printed: $(cat "$WORK/k8s.json"))"
 
 start=$(date +%s)
-log "building Kubernetes v$KUBE_VERSION and etcd v$ETCD_VERSION with $GOVERSION into $BIN"
+log "building $TARGET (${BINARIES[*]}) of Kubernetes v$KUBE_VERSION with $GOVERSION into $BIN"
 BUILD_P=()
 [[ -n ${REPORTS_SERVER_GO_BUILD_P:-} ]] && BUILD_P=(-p "$REPORTS_SERVER_GO_BUILD_P")
 NEW=$OUT/bin.new
@@ -118,8 +139,9 @@ mkdir -p "$KW"
     # Keep the GODEBUG defaults Kubernetes chose for its own binaries (godebug lines are main-module only).
     while read -r gd; do [[ -n $gd ]] && args+=("-godebug=$gd"); done < <(sed -n 's/^godebug[[:space:]]\{1,\}\([^()[:space:]]*\)$/\1/p' "$K8S_GOMOD")
     go mod edit "${args[@]}"
-    go get "k8s.io/kubernetes/cmd/kube-apiserver@v$KUBE_VERSION" \
-        "k8s.io/kubernetes/cmd/kube-controller-manager@v$KUBE_VERSION" >&2
+    pkgs=()
+    for c in "${KUBE_CMDS[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c@v$KUBE_VERSION"); done
+    go get "${pkgs[@]}" >&2
 ) || die "resolving the Kubernetes wrapper module failed (see above; wrapper in $KW)"
 
 # Version stamping as in hack/lib/version.sh, otherwise /version says v0.0.0-master+$Format:%H$.
@@ -134,11 +156,12 @@ t0=$(date +%s)
 (
     cd "$KW"
     go build "${BUILD_P[@]}" -trimpath -tags="$KUBE_TAGS" -ldflags="$LDF" -o "$NEW/" \
-        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
-) || die "building kube-apiserver/kube-controller-manager failed (wrapper in $KW)"
-log "kube-apiserver + kube-controller-manager built in $(($(date +%s) - t0)) s"
+        "${KUBE_CMDS[@]/#/k8s.io/kubernetes/cmd/}"
+) || die "building ${KUBE_CMDS[*]} failed (wrapper in $KW)"
+log "${KUBE_CMDS[*]} built in $(($(date +%s) - t0)) s"
 
 # ---- etcd --------------------------------------------------------------------------------------
+if [[ $TARGET == controlplane ]]; then
 # go.etcd.io/etcd/server/v3 is `package main` at its module root; its replace directives point into
 # the etcd monorepo and are not needed: the tagged go.mod requires the published v3.6.x modules.
 EW=$OUT/wrappers/etcd
@@ -159,24 +182,32 @@ t0=$(date +%s)
         -o "$NEW/etcd" go.etcd.io/etcd/server/v3
 ) || die "building etcd failed (wrapper in $EW)"
 log "etcd built in $(($(date +%s) - t0)) s"
+fi
 
 # ---- smoke-check and publish -------------------------------------------------------------------
-"$NEW/kube-apiserver" --version | grep -q "v$KUBE_VERSION" ||
-    die "kube-apiserver --version does not report v$KUBE_VERSION: $("$NEW/kube-apiserver" --version)"
-"$NEW/etcd" --version | grep -q "$ETCD_VERSION" ||
-    die "etcd --version does not report $ETCD_VERSION: $("$NEW/etcd" --version)"
+for c in "${KUBE_CMDS[@]}"; do
+    "$NEW/$c" --version | grep -q "v$KUBE_VERSION" ||
+        die "$c --version does not report v$KUBE_VERSION: $("$NEW/$c" --version)"
+done
+if [[ $TARGET == controlplane ]]; then
+    "$NEW/etcd" --version | grep -q "$ETCD_VERSION" ||
+        die "etcd --version does not report $ETCD_VERSION: $("$NEW/etcd" --version)"
+fi
 
 rm -f "$STAMP"
 rm -rf "$BIN"
 mv "$NEW" "$BIN"
 elapsed=$(($(date +%s) - start))
 {
-    echo "kubernetes v$KUBE_VERSION etcd v$ETCD_VERSION built with $GOVERSION in ${elapsed}s on $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    if [[ $TARGET == controlplane ]]; then
+        echo "kubernetes v$KUBE_VERSION etcd v$ETCD_VERSION built with $GOVERSION in ${elapsed}s on $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    else
+        echo "kubernetes v$KUBE_VERSION ${KUBE_CMDS[*]} built with $GOVERSION in ${elapsed}s on $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    fi
     echo "staging modules: ${#STAGING[@]}"
     echo "tags: $KUBE_TAGS"
-    "$BIN/kube-apiserver" --version
-    "$BIN/kube-controller-manager" --version
-    "$BIN/etcd" --version
+    for c in "${KUBE_CMDS[@]}"; do "$BIN/$c" --version; done
+    if [[ $TARGET == controlplane ]]; then "$BIN/etcd" --version; fi
 } >"$STAMP"
 log "done in ${elapsed}s: $(du -sh "$BIN" | cut -f1) in $BIN"
 echo "$BIN"

@@ -1520,7 +1520,7 @@ pub fn free_ports<const N: usize>() -> Result<[u16; N]> {
     Ok(ports)
 }
 
-fn tail_file(path: &Path, lines: usize) -> String {
+pub(crate) fn tail_file(path: &Path, lines: usize) -> String {
     match fs::read(path) {
         Ok(bytes) => {
             let text = String::from_utf8_lossy(&bytes);

@@ -8,6 +8,7 @@ pub mod delegated;
 pub mod kubectl;
 pub mod kyverno;
 pub mod kyverno_fixtures;
+pub mod node;
 pub mod objects;
 pub mod postgres;
 pub mod server;

@@ -198,7 +198,7 @@ pub fn fresh_database() -> anyhow::Result<String> {
     Ok(format!("{}/{name}", cluster.base_url))
 }
 
-fn which(program: &str) -> Option<PathBuf> {
+pub(crate) fn which(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?
         .to_str()?
         .split(':')
