@@ -8,6 +8,7 @@ mod apiservices;
 mod bench;
 #[cfg(feature = "bench")]
 mod bench_aggregation;
+mod migrate_cli;
 mod operator_cli;
 
 use std::net::{IpAddr, SocketAddr};
@@ -19,7 +20,7 @@ use clap::{Args, Parser, Subcommand};
 use reports_server_apiserver::http::ApiOptions;
 use reports_server_apiserver::pki::CertPair;
 use reports_server_apiserver::startup::{self, AuthMode, ServerConfig};
-use reports_server_apiserver::store::{Store, StoreOptions};
+use reports_server_apiserver::store::StoreOptions;
 
 #[derive(Parser)]
 #[command(
@@ -80,8 +81,9 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Print the CustomResourceDefinitions of the served kinds (generated from the Rust types).
     Crds,
-    /// Apply database migrations and exit.
-    Migrate(DatabaseArgs),
+    /// Apply database schema migrations and exit; `migrate to-database` moves a cluster's
+    /// reports from etcd-backed CRDs into the database and switches the APIServices.
+    Migrate(Box<migrate_cli::MigrateArgs>),
     /// Measure create and list throughput against a fresh standalone server.
     #[cfg(feature = "bench")]
     Bench(bench::BenchArgs),
@@ -250,7 +252,7 @@ impl DatabaseArgs {
         ))
     }
 
-    fn store_options(&self) -> anyhow::Result<StoreOptions> {
+    pub(crate) fn store_options(&self) -> anyhow::Result<StoreOptions> {
         let mut options = StoreOptions::new(self.url()?);
         options.cluster_id = self.cluster_id.clone();
         options.max_connections = self.db_max_connections;
@@ -268,12 +270,7 @@ async fn main() -> anyhow::Result<()> {
             print!("{}", reports_server_crds::crd::all_crds_yaml());
             Ok(())
         }
-        Command::Migrate(db) => {
-            let options = db.store_options()?;
-            Store::connect(options).await.context("migration failed")?;
-            eprintln!("database is at the latest schema version");
-            Ok(())
-        }
+        Command::Migrate(args) => migrate_cli::run(*args).await,
         Command::Serve(args) => serve(*args).await,
         #[cfg(feature = "bench")]
         Command::Bench(args) => bench::run(args).await,
@@ -361,7 +358,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// A client for the cluster: `--kubeconfig`, else in-cluster, else `$KUBECONFIG`/`~/.kube/config`.
-async fn cluster_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Client> {
+pub(crate) async fn cluster_client(
+    kubeconfig: Option<&std::path::Path>,
+) -> anyhow::Result<kube::Client> {
     match kubeconfig {
         Some(path) => client_from_kubeconfig(path).await,
         None => {

@@ -19,6 +19,8 @@ pub struct Page {
     /// The list's resourceVersion (the etcd revision it was read at).
     pub resource_version: String,
     pub continue_token: Option<String>,
+    /// How many objects follow this page (`metadata.remainingItemCount`), when the server says.
+    pub remaining: Option<u64>,
 }
 
 /// kube-apiserver, as the migration uses it.
@@ -131,6 +133,7 @@ impl Cluster {
             MigrationError::Source(format!("GET {path}: 404 (is the CRD installed?)"))
         })?;
         Ok(Page {
+            remaining: list["metadata"]["remainingItemCount"].as_u64(),
             resource_version: list["metadata"]["resourceVersion"]
                 .as_str()
                 .unwrap_or("")

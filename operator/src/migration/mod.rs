@@ -412,9 +412,9 @@ async fn copy_kind(
             .await?;
         if token.is_none() {
             list_rv = page.resource_version.clone();
-            let (total, _) = (page.items.len(), ());
+            let total = page.items.len() as u64 + page.remaining.unwrap_or(0);
             progress.update(r.kind, |p| {
-                p.total = total as u64;
+                p.total = total;
                 p.copied = 0;
             });
         }

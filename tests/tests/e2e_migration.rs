@@ -1,0 +1,691 @@
+//! Migration from etcd-backed report CRDs into the database, end to end: a real kube-apiserver
+//! with the report CRDs installed and reports stored in etcd, `reports-server migrate
+//! to-database` (the path without the operator) while a writer creates, updates and deletes
+//! reports through kube-apiserver and a kube-rs reflector watches them, then:
+//! * every preloaded object is served by us through kube-apiserver with the content it had in
+//!   etcd (everything but `resourceVersion`), counted per kind;
+//! * the writer's log and the served state agree name by name (writes refused by the fence are
+//!   retried by the writer and counted);
+//! * the reflector's cache equals the server's state;
+//! * kube-controller-manager's garbage collector deletes a migrated report whose owner goes;
+//! * `--dry-run` before changed nothing.
+//!
+//! Size: `REPORTS_SERVER_MIGRATION_E2E_REPORTS` PolicyReports (default 10,000) and a fifth as
+//! many EphemeralReports. Needs what `e2e_aggregated` needs (docs/e2e.md).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, PostParams};
+use kube::core::ObjectMeta;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use reports_server_crds::ResourceDescriptor;
+use reports_server_crds::catalog::{EPHEMERAL_REPORT, POLICY_REPORT};
+use reports_server_crds::fixtures::{Subject, pss_ephemeral_report, pss_policy_report};
+use reports_server_tests::controlplane::{ControlPlane, ControlPlaneOptions};
+use reports_server_tests::delegated::{
+    self, API_SERVICES, SERVICE_NAME, SERVICE_NAMESPACE, Server,
+};
+use reports_server_tests::kubectl::Kubectl;
+use reports_server_tests::server;
+use serde_json::{Value, json};
+
+const NAMESPACES: usize = 30;
+const CHURN_NAMESPACE: &str = "churn";
+const CHURN_NAMES: usize = 40;
+
+fn api_resource(r: &ResourceDescriptor) -> ApiResource {
+    ApiResource {
+        group: r.group.into(),
+        version: r.version.into(),
+        api_version: r.api_version(),
+        kind: r.kind.into(),
+        plural: r.plural.into(),
+    }
+}
+
+fn without_version(mut v: Value) -> Value {
+    if let Some(m) = v["metadata"].as_object_mut() {
+        m.remove("resourceVersion");
+    }
+    v
+}
+
+/// Every object of `r` through kube-apiserver, by namespace/name.
+async fn list_all(
+    client: &kube::Client,
+    r: &ResourceDescriptor,
+) -> Result<(BTreeMap<String, Value>, String)> {
+    let mut out = BTreeMap::new();
+    let mut token: Option<String> = None;
+    let mut rv = String::new();
+    loop {
+        let mut path = format!("/apis/{}/{}/{}?limit=500", r.group, r.version, r.plural);
+        if let Some(t) = &token {
+            path.push_str(&format!("&continue={}", urlencode(t)));
+        }
+        let list: Value = client
+            .request(http::Request::get(&path).body(Vec::new())?)
+            .await
+            .with_context(|| format!("GET {path}"))?;
+        if token.is_none() {
+            rv = list["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned();
+        }
+        for item in list["items"].as_array().into_iter().flatten() {
+            let key = format!(
+                "{}/{}",
+                item["metadata"]["namespace"].as_str().unwrap_or(""),
+                item["metadata"]["name"].as_str().unwrap_or("")
+            );
+            out.insert(key, item.clone());
+        }
+        token = list["metadata"]["continue"]
+            .as_str()
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned);
+        if token.is_none() {
+            return Ok((out, rv));
+        }
+    }
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Creates `objects` through kube-apiserver, `parallel` at a time.
+async fn create_all(
+    client: &kube::Client,
+    r: &ResourceDescriptor,
+    objects: Vec<Value>,
+    parallel: usize,
+) -> Result<()> {
+    let ar = api_resource(r);
+    let total = objects.len();
+    let t = Instant::now();
+    let results: Vec<Result<()>> = futures::stream::iter(objects)
+        .map(|o| {
+            let ns = o["metadata"]["namespace"].as_str().unwrap_or("").to_owned();
+            let api: Api<DynamicObject> = if r.namespaced {
+                Api::namespaced_with(client.clone(), &ns, &ar)
+            } else {
+                Api::all_with(client.clone(), &ar)
+            };
+            async move {
+                let obj: DynamicObject = serde_json::from_value(o)?;
+                api.create(&PostParams::default(), &obj).await?;
+                Ok(())
+            }
+        })
+        .buffer_unordered(parallel)
+        .collect()
+        .await;
+    for r in results {
+        r?;
+    }
+    eprintln!(
+        "[e2e] created {total} {} in etcd in {:.1?} ({:.0}/s)",
+        r.plural,
+        t.elapsed(),
+        total as f64 / t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn fixture_reports(n: usize) -> (Vec<Value>, Vec<Value>) {
+    let mut policy = Vec::with_capacity(n);
+    let mut ephemeral = Vec::with_capacity(n / 5);
+    for i in 0..n {
+        let subject = Subject::pod(&format!("mig-{}", i % NAMESPACES), i as u64);
+        let mut v = serde_json::to_value(pss_policy_report(
+            &subject,
+            1_700_000_000 + i as i64,
+            &[i % 19],
+        ))
+        .unwrap();
+        // The pods do not exist: without this the garbage collector would delete the reports.
+        v["metadata"]
+            .as_object_mut()
+            .unwrap()
+            .remove("ownerReferences");
+        v["apiVersion"] = json!(POLICY_REPORT.api_version());
+        v["kind"] = json!(POLICY_REPORT.kind);
+        policy.push(v);
+        if i % 5 == 0 {
+            let mut e =
+                serde_json::to_value(pss_ephemeral_report(&subject, 1_700_000_000, &[])).unwrap();
+            e["metadata"]
+                .as_object_mut()
+                .unwrap()
+                .remove("ownerReferences");
+            e["apiVersion"] = json!(EPHEMERAL_REPORT.api_version());
+            e["kind"] = json!(EPHEMERAL_REPORT.kind);
+            ephemeral.push(e);
+        }
+    }
+    (policy, ephemeral)
+}
+
+/// What the writer knows it did, name by name: `Some(seq)` when the report exists with label
+/// `seq`, `None` when it was deleted (or never created).
+#[derive(Default)]
+struct WriterLog {
+    state: BTreeMap<String, Option<u64>>,
+    acknowledged: u64,
+    refused_by_fence: u64,
+    other_errors: u64,
+    /// Acknowledged writes while the migration ran.
+    during_migration: u64,
+}
+
+fn churn_report(name: &str, seq: u64) -> Value {
+    json!({
+        "apiVersion": POLICY_REPORT.api_version(),
+        "kind": POLICY_REPORT.kind,
+        "metadata": {"name": name, "namespace": CHURN_NAMESPACE, "labels": {"seq": seq.to_string()}},
+        "summary": {"pass": seq as i64, "fail": 0, "warn": 0, "error": 0, "skip": 0},
+    })
+}
+
+/// Creates, updates and deletes reports in `churn` through kube-apiserver until `stop`.
+async fn writer(
+    client: kube::Client,
+    stop: Arc<AtomicBool>,
+    migrating: Arc<AtomicBool>,
+    log: Arc<Mutex<WriterLog>>,
+) {
+    let ar = api_resource(&POLICY_REPORT);
+    let api: Api<DynamicObject> = Api::namespaced_with(client, CHURN_NAMESPACE, &ar);
+    let mut seq = 0u64;
+    let mut uncertain: BTreeSet<String> = BTreeSet::new();
+    // xorshift: a spread of names without a dependency on a random crate.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    while !stop.load(Ordering::SeqCst) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let name = format!("w-{}", x % CHURN_NAMES as u64);
+        if uncertain.contains(&name) {
+            // An earlier write's outcome is unknown: learn it before writing again.
+            match api.get_opt(&name).await {
+                Ok(found) => {
+                    let seq = found.and_then(|o| o.metadata.labels?.get("seq")?.parse().ok());
+                    log.lock().unwrap().state.insert(name.clone(), seq);
+                    uncertain.remove(&name);
+                }
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            }
+        }
+        seq += 1;
+        let current = log.lock().unwrap().state.get(&name).copied().flatten();
+        let (result, after) = match current {
+            None => {
+                let obj: DynamicObject = serde_json::from_value(churn_report(&name, seq)).unwrap();
+                (
+                    api.create(&PostParams::default(), &obj).await.map(|_| ()),
+                    Some(seq),
+                )
+            }
+            Some(_) if seq.is_multiple_of(3) => (
+                api.delete(&name, &DeleteParams::default())
+                    .await
+                    .map(|_| ()),
+                None,
+            ),
+            Some(_) => {
+                let patch = json!({"metadata": {"labels": {"seq": seq.to_string()}}, "summary": {"pass": seq as i64}});
+                (
+                    api.patch(
+                        &name,
+                        &kube::api::PatchParams::default(),
+                        &kube::api::Patch::Merge(&patch),
+                    )
+                    .await
+                    .map(|_| ()),
+                    Some(seq),
+                )
+            }
+        };
+        let refused = {
+            let mut l = log.lock().unwrap();
+            match result {
+                Ok(()) => {
+                    l.state.insert(name, after);
+                    l.acknowledged += 1;
+                    if migrating.load(Ordering::SeqCst) {
+                        l.during_migration += 1;
+                    }
+                    false
+                }
+                Err(kube::Error::Api(s))
+                    if s.message.contains("reports-server-migration-fence") =>
+                {
+                    l.refused_by_fence += 1;
+                    true
+                }
+                Err(e) => {
+                    l.other_errors += 1;
+                    eprintln!(
+                        "[e2e] writer: {name}: {e} (outcome unknown; read back before the next write)"
+                    );
+                    uncertain.insert(name);
+                    false
+                }
+            }
+        };
+        if refused {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_to_database_loses_nothing() -> Result<()> {
+    let n: usize = std::env::var("REPORTS_SERVER_MIGRATION_E2E_REPORTS")
+        .ok()
+        .map(|v| {
+            v.parse()
+                .context("REPORTS_SERVER_MIGRATION_E2E_REPORTS must be a number")
+        })
+        .transpose()?
+        .unwrap_or(10_000);
+    let bin = server::binary().context("building reports-server")?;
+    let cp = ControlPlane::start(ControlPlaneOptions::with_controller_manager())
+        .await
+        .context("starting the e2e control plane (see docs/e2e.md)")?;
+    let admin = Kubectl::new(cp.kubeconfig_path());
+    let client = cp.client().await?;
+
+    // The report CRDs, as a cluster with Kyverno's CRDs has them.
+    let crds = Command::new(&bin).arg("crds").output()?;
+    ensure!(crds.status.success(), "reports-server crds failed");
+    admin.run_with_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        Some(&String::from_utf8(crds.stdout)?),
+    )?;
+    admin.run(&[
+        "wait",
+        "--for=condition=Established",
+        "crd",
+        "--all",
+        "--timeout=60s",
+    ])?;
+    for name in API_SERVICES {
+        cp.wait_apiservice_available(name, Duration::from_secs(60))
+            .await?;
+    }
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    for ns in (0..NAMESPACES)
+        .map(|i| format!("mig-{i}"))
+        .chain([CHURN_NAMESPACE.to_owned(), "gc".to_owned()])
+    {
+        namespaces
+            .create(
+                &PostParams::default(),
+                &Namespace {
+                    metadata: ObjectMeta {
+                        name: Some(ns),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+            )
+            .await?;
+    }
+
+    // Preload etcd.
+    let (policy, ephemeral) = fixture_reports(n);
+    let (n_policy, n_ephemeral) = (policy.len(), ephemeral.len());
+    create_all(&client, &POLICY_REPORT, policy, 8).await?;
+    create_all(&client, &EPHEMERAL_REPORT, ephemeral, 8).await?;
+    // A report owned by a real ConfigMap, for the garbage collector after the move.
+    let owner = Api::<ConfigMap>::namespaced(client.clone(), "gc")
+        .create(
+            &PostParams::default(),
+            &ConfigMap {
+                metadata: ObjectMeta {
+                    name: Some("owner".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await?;
+    let mut owned = churn_report("owned", 0);
+    owned["metadata"]["namespace"] = json!("gc");
+    owned["metadata"]["ownerReferences"] = json!([{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner.metadata.uid}]);
+    create_all(&client, &POLICY_REPORT, vec![owned], 1).await?;
+    let (etcd_policy, _) = list_all(&client, &POLICY_REPORT).await?;
+    let (etcd_ephemeral, _) = list_all(&client, &EPHEMERAL_REPORT).await?;
+    ensure!(
+        etcd_policy.len() == n_policy + 1 && etcd_ephemeral.len() == n_ephemeral,
+        "preload: {} policy, {} ephemeral in etcd",
+        etcd_policy.len(),
+        etcd_ephemeral.len()
+    );
+
+    // Our server, not yet routed to (aggregation off: it would merge the copied ephemeral
+    // reports before the switch, and the copy must equal the source).
+    let server = Server::start_with(
+        &cp,
+        &cp.dir().join("reports-server"),
+        &["--aggregation=false"],
+    )
+    .await?;
+    admin.run_with_stdin(
+        &["apply", "-f", "-"],
+        Some(&format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {SERVICE_NAMESPACE}\n---\napiVersion: v1\nkind: Service\nmetadata:\n  name: {SERVICE_NAME}\n  namespace: {SERVICE_NAMESPACE}\nspec:\n  type: ExternalName\n  externalName: localhost\n  ports:\n  - name: https\n    port: {}\n",
+            server.port
+        )),
+    )?;
+    let database_url = server
+        .args
+        .iter()
+        .skip_while(|a| *a != "--database-url")
+        .nth(1)
+        .cloned()
+        .context("the server's --database-url")?;
+    let migrate = |extra: &[&str]| {
+        let mut cmd = Command::new(&bin);
+        cmd.args(["migrate", "to-database", "--kubeconfig"])
+            .arg(cp.kubeconfig_path())
+            .args(["--database-url", &database_url])
+            .args([
+                "--service-namespace",
+                SERVICE_NAMESPACE,
+                "--service-name",
+                SERVICE_NAME,
+            ])
+            .args(["--service-port", &server.port.to_string()])
+            .arg("--ca-bundle-file")
+            .arg(cp.ca_cert_path())
+            .args(extra)
+            .env("REPORTS_SERVER_LOG", "info");
+        cmd
+    };
+
+    // --dry-run changes nothing.
+    let out = migrate(&["--dry-run"]).output()?;
+    ensure!(
+        out.status.success(),
+        "migrate --dry-run failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dry: Value =
+        serde_json::from_slice(&out.stdout).context("--dry-run prints its report as JSON")?;
+    let planned: u64 = dry["kinds"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|k| k["total"].as_u64().unwrap_or(0))
+        .sum();
+    ensure!(
+        planned as usize == n_policy + 1 + n_ephemeral,
+        "dry run planned {planned} objects:\n{dry:#}"
+    );
+    for name in API_SERVICES {
+        let a = admin.run(&["get", "apiservice", name, "-o", "json"])?;
+        let a: Value = serde_json::from_str(&a)?;
+        ensure!(
+            a["spec"]["service"].is_null(),
+            "--dry-run changed APIService {name}: {a:#}"
+        );
+    }
+    let (served, _) = list_all(&client, &POLICY_REPORT).await?;
+    ensure!(served == etcd_policy, "--dry-run changed what etcd serves");
+    let vap = admin.output(
+        &[
+            "get",
+            "validatingadmissionpolicy",
+            "reports-server-migration-fence",
+        ],
+        None,
+    )?;
+    ensure!(!vap.status.success(), "--dry-run left a fence");
+
+    // The writer and the reflector run before, during and after the migration.
+    let stop = Arc::new(AtomicBool::new(false));
+    let migrating = Arc::new(AtomicBool::new(false));
+    let log = Arc::new(Mutex::new(WriterLog::default()));
+    let writer_task = tokio::spawn(writer(
+        client.clone(),
+        stop.clone(),
+        migrating.clone(),
+        log.clone(),
+    ));
+    let store_writer = reflector::store::Writer::<DynamicObject>::new(api_resource(&POLICY_REPORT));
+    let reader = store_writer.as_reader();
+    let relists = Arc::new(AtomicU64::new(0));
+    let reflector_task = {
+        let api: Api<DynamicObject> = Api::all_with(client.clone(), &api_resource(&POLICY_REPORT));
+        let relists = relists.clone();
+        tokio::spawn(async move {
+            let stream = reflector(
+                store_writer,
+                watcher(api, watcher::Config::default()).default_backoff(),
+            );
+            futures::pin_mut!(stream);
+            while let Some(event) = stream.next().await {
+                if let Ok(watcher::Event::Init) = event {
+                    relists.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        })
+    };
+    reader.wait_until_ready().await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    migrating.store(true, Ordering::SeqCst);
+    let t = Instant::now();
+    let out = migrate(&[]).output()?;
+    let migration_wall = t.elapsed();
+    migrating.store(false, Ordering::SeqCst);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.success(),
+        "migrate to-database failed:\n{stderr}\n{}",
+        delegated::diagnostics(&cp, &server)
+    );
+    let report: Value =
+        serde_json::from_slice(&out.stdout).context("the migration prints its report as JSON")?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::SeqCst);
+    writer_task.await?;
+
+    // Routed to us.
+    for name in API_SERVICES {
+        let a: Value =
+            serde_json::from_str(&admin.run(&["get", "apiservice", name, "-o", "json"])?)?;
+        ensure!(
+            a["spec"]["service"]["name"] == SERVICE_NAME,
+            "APIService {name} not switched: {a:#}"
+        );
+        ensure!(
+            a["metadata"]["labels"]["kube-aggregator.kubernetes.io/automanaged"].is_null(),
+            "{name} is still automanaged"
+        );
+    }
+    let floor = report["versionFloor"].as_i64().context("versionFloor")?;
+    let (ours_policy, list_rv) = list_all(&client, &POLICY_REPORT).await?;
+    ensure!(
+        list_rv.parse::<i64>()? >= floor,
+        "the list after the switch came from etcd (resourceVersion {list_rv} < floor {floor})"
+    );
+    let (ours_ephemeral, _) = list_all(&client, &EPHEMERAL_REPORT).await?;
+
+    // Every preloaded object, identical but for resourceVersion.
+    let mut compared = 0;
+    for (source, ours) in [
+        (&etcd_policy, &ours_policy),
+        (&etcd_ephemeral, &ours_ephemeral),
+    ] {
+        for (key, object) in source
+            .iter()
+            .filter(|(k, _)| !k.starts_with(&format!("{CHURN_NAMESPACE}/")))
+        {
+            let Some(found) = ours.get(key) else {
+                bail!("{key} was not migrated")
+            };
+            ensure!(
+                without_version(found.clone()) == without_version(object.clone()),
+                "{key} differs after migration:\n etcd: {object}\n ours: {found}"
+            );
+            compared += 1;
+        }
+    }
+    ensure!(
+        ours_ephemeral.len() == n_ephemeral,
+        "{} ephemeral reports served, {n_ephemeral} expected",
+        ours_ephemeral.len()
+    );
+
+    // The writer's log, name by name.
+    let log = Arc::try_unwrap(log)
+        .map_err(|_| anyhow::anyhow!("writer still running"))?
+        .into_inner()
+        .unwrap();
+    let mut expected = BTreeMap::new();
+    for (name, seq) in &log.state {
+        if let Some(seq) = seq {
+            expected.insert(format!("{CHURN_NAMESPACE}/{name}"), *seq);
+        }
+    }
+    let actual: BTreeMap<String, u64> = ours_policy
+        .iter()
+        .filter(|(k, _)| k.starts_with(&format!("{CHURN_NAMESPACE}/")))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v["metadata"]["labels"]["seq"]
+                    .as_str()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0),
+            )
+        })
+        .collect();
+    ensure!(
+        actual == expected,
+        "the writer's log and the server disagree:\n log:    {expected:?}\n server: {actual:?}"
+    );
+
+    // The reflector converges on the server's state.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (now, _) = list_all(&client, &POLICY_REPORT).await?;
+        let cached: BTreeMap<String, String> = reader
+            .state()
+            .iter()
+            .map(|o| {
+                (
+                    format!(
+                        "{}/{}",
+                        o.metadata.namespace.clone().unwrap_or_default(),
+                        o.metadata.name.clone().unwrap_or_default()
+                    ),
+                    o.metadata.resource_version.clone().unwrap_or_default(),
+                )
+            })
+            .collect();
+        let served: BTreeMap<String, String> = now
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.clone(),
+                    v["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_owned(),
+                )
+            })
+            .collect();
+        if cached == served {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the reflector's cache ({} objects) never matched the server's {} objects",
+                cached.len(),
+                served.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    reflector_task.abort();
+
+    eprintln!(
+        "[e2e] migration figures: {} objects compared identical; copy {:.0} objects/s ({:.1} s); writes refused by the fence for {:.1} s; switch {:.1} s; migration wall time {:.1?}; writer: {} acknowledged ({} during the migration), {} refused by the fence and retried, {} other errors; reflector relists: {}",
+        compared,
+        report["copyObjectsPerSecond"].as_f64().unwrap_or(0.0),
+        report["copySeconds"].as_f64().unwrap_or(0.0),
+        report["fenceSeconds"].as_f64().unwrap_or(0.0),
+        report["switchSeconds"].as_f64().unwrap_or(0.0),
+        migration_wall,
+        log.acknowledged,
+        log.during_migration,
+        log.refused_by_fence,
+        log.other_errors,
+        relists.load(Ordering::SeqCst)
+    );
+    ensure!(
+        log.during_migration > 0,
+        "the writer made no write during the migration"
+    );
+
+    // The garbage collector still works on migrated reports.
+    Api::<ConfigMap>::namespaced(client.clone(), "gc")
+        .delete("owner", &DeleteParams::default())
+        .await?;
+    let gc_api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), "gc", &api_resource(&POLICY_REPORT));
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while gc_api.get_opt("owned").await?.is_some() {
+        ensure!(
+            Instant::now() < deadline,
+            "the garbage collector did not delete the migrated report of a deleted owner"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // A second run finds everything switched and changes nothing.
+    let out = migrate(&[]).output()?;
+    ensure!(
+        out.status.success(),
+        "a second migrate to-database failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let again: Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(
+        again["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .all(|g| g["stateBefore"] == "Switched"),
+        "second run: {again:#}"
+    );
+
+    delegated::unregister_apiservices(&cp).await?;
+    drop(server);
+    cp.stop().await?;
+    Ok(())
+}
