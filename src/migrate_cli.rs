@@ -11,7 +11,8 @@ use clap::{Args, Subcommand};
 use reports_server_apiserver::registry::Registry;
 use reports_server_apiserver::store::Store;
 use reports_server_operator::migration::{
-    self, MigrationReport, Progress, ToDatabaseOptions, cluster::Cluster, plan::ServiceTarget,
+    self, MigrationReport, Progress, ToCrdsOptions, ToDatabaseOptions, cluster::Cluster,
+    plan::ServiceTarget,
 };
 
 use crate::DatabaseArgs;
@@ -34,12 +35,17 @@ enum MigrateCommand {
     /// CRD storage for a few seconds, verify the copy object by object and switch the
     /// APIServices to the server. Run it again after an interruption: it resumes.
     ToDatabase(Box<ToDatabaseArgs>),
+    /// Hand the groups routed to the server back to CRD storage with the data: install the CRDs
+    /// if absent, fence the CRD storage against everyone but this command, give the APIServices
+    /// back to kube-apiserver, write every report back, verify, lift the fence. The way back
+    /// when the operator is gone. Run it again after an interruption: it resumes.
+    ToCrds(Box<ToCrdsArgs>),
 }
 
+/// The cluster, the Service the APIServices point at, and how fast to go: shared by both
+/// directions.
 #[derive(Args)]
-struct ToDatabaseArgs {
-    #[command(flatten)]
-    database: DatabaseArgs,
+struct ClusterArgs {
     /// Kubeconfig of the cluster [default: in-cluster configuration, then $KUBECONFIG].
     #[arg(long, env = "REPORTS_SERVER_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
@@ -57,12 +63,6 @@ struct ToDatabaseArgs {
         default_value = "reports-server"
     )]
     service_name: String,
-    /// Port of that Service.
-    #[arg(long, env = "REPORTS_SERVER_SERVICE_PORT", default_value_t = 443)]
-    service_port: i32,
-    /// PEM file of the CA that signed the server's certificate (the APIServices' `caBundle`).
-    #[arg(long, env = "REPORTS_SERVER_CA_BUNDLE_FILE")]
-    ca_bundle_file: PathBuf,
     /// Objects per list page and per database transaction.
     #[arg(
         long,
@@ -70,10 +70,8 @@ struct ToDatabaseArgs {
         default_value_t = 500
     )]
     page_size: u32,
-    /// Objects per second the copy writes at most (0: no limit).
-    #[arg(long, env = "REPORTS_SERVER_MIGRATION_RATE", default_value_t = 0.0)]
-    rate: f64,
-    /// Seconds the fence may take to hold, and kube-apiserver to route a switched group.
+    /// Seconds the fence may take to hold (and CRDs to be Established), and kube-apiserver to
+    /// route a switched group.
     #[arg(
         long,
         env = "REPORTS_SERVER_MIGRATION_SWITCH_TIMEOUT_SECONDS",
@@ -85,11 +83,44 @@ struct ToDatabaseArgs {
     dry_run: bool,
 }
 
+#[derive(Args)]
+struct ToCrdsArgs {
+    #[command(flatten)]
+    database: DatabaseArgs,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Milliseconds the database must stay unchanged after the switch before it is read.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_SETTLE_MILLISECONDS",
+        default_value_t = 1000
+    )]
+    settle_milliseconds: u64,
+}
+
+#[derive(Args)]
+struct ToDatabaseArgs {
+    #[command(flatten)]
+    database: DatabaseArgs,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Port of the Service.
+    #[arg(long, env = "REPORTS_SERVER_SERVICE_PORT", default_value_t = 443)]
+    service_port: i32,
+    /// PEM file of the CA that signed the server's certificate (the APIServices' `caBundle`).
+    #[arg(long, env = "REPORTS_SERVER_CA_BUNDLE_FILE")]
+    ca_bundle_file: PathBuf,
+    /// Objects per second the copy writes at most (0: no limit).
+    #[arg(long, env = "REPORTS_SERVER_MIGRATION_RATE", default_value_t = 0.0)]
+    rate: f64,
+}
+
 pub async fn run(args: MigrateArgs) -> anyhow::Result<()> {
     match args.command {
         None => schema(args.database).await,
         Some(MigrateCommand::Schema(db)) => schema(db).await,
         Some(MigrateCommand::ToDatabase(a)) => to_database(*a).await,
+        Some(MigrateCommand::ToCrds(a)) => to_crds(*a).await,
     }
 }
 
@@ -113,30 +144,64 @@ async fn to_database(args: ToDatabaseArgs) -> anyhow::Result<()> {
         "--ca-bundle-file {} holds no PEM certificate",
         args.ca_bundle_file.display()
     );
-    anyhow::ensure!(args.page_size > 0, "--page-size must be at least 1");
-    let client = crate::cluster_client(args.kubeconfig.as_deref()).await?;
-    let store = Store::connect(args.database.store_options()?)
-        .await
-        .context("cannot open the database")?;
-    let registry = Registry::new(store, None);
+    let (cluster, registry) = connect(&args.cluster, &args.database).await?;
+    let c = args.cluster;
     let options = ToDatabaseOptions {
         target: ServiceTarget {
-            namespace: args.service_namespace,
-            name: args.service_name,
+            namespace: c.service_namespace,
+            name: c.service_name,
             port: args.service_port,
             ca_bundle_pem,
         },
-        page_size: args.page_size,
+        page_size: c.page_size,
         rate: (args.rate > 0.0).then_some(args.rate),
-        dry_run: args.dry_run,
-        switch_timeout: Duration::from_secs(args.switch_timeout_seconds),
+        dry_run: c.dry_run,
+        switch_timeout: Duration::from_secs(c.switch_timeout_seconds),
     };
     let progress = Progress::default();
     let bar = tokio::spawn(show_progress(progress.clone()));
-    let result =
-        migration::to_database(&Cluster::new(client), &registry, &options, &progress).await;
+    let result = migration::to_database(&cluster, &registry, &options, &progress).await;
     bar.abort();
-    let report = result.context("migration to the database stopped")?;
+    finish(result.context("migration to the database stopped")?)
+}
+
+async fn to_crds(args: ToCrdsArgs) -> anyhow::Result<()> {
+    let (cluster, registry) = connect(&args.cluster, &args.database).await?;
+    let c = args.cluster;
+    let crds = reports_server_crds::crd::all_crds()
+        .into_iter()
+        .map(serde_json::to_value)
+        .collect::<Result<Vec<_>, _>>()?;
+    let options = ToCrdsOptions {
+        target: ServiceTarget {
+            namespace: c.service_namespace,
+            name: c.service_name,
+            port: 0,
+            ca_bundle_pem: String::new(),
+        },
+        crds,
+        page_size: c.page_size,
+        dry_run: c.dry_run,
+        switch_timeout: Duration::from_secs(c.switch_timeout_seconds),
+        settle: Duration::from_millis(args.settle_milliseconds),
+    };
+    let progress = Progress::default();
+    let bar = tokio::spawn(show_progress(progress.clone()));
+    let result = migration::to_crds(&cluster, &registry, &options, &progress).await;
+    bar.abort();
+    finish(result.context("hand-back to CRD storage stopped")?)
+}
+
+async fn connect(c: &ClusterArgs, db: &DatabaseArgs) -> anyhow::Result<(Cluster, Registry)> {
+    anyhow::ensure!(c.page_size > 0, "--page-size must be at least 1");
+    let client = crate::cluster_client(c.kubeconfig.as_deref()).await?;
+    let store = Store::connect(db.store_options()?)
+        .await
+        .context("cannot open the database")?;
+    Ok((Cluster::new(client), Registry::new(store, None)))
+}
+
+fn finish(report: MigrationReport) -> anyhow::Result<()> {
     summarize(&report);
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())

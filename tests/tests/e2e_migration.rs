@@ -8,13 +8,18 @@
 //!   retried by the writer and counted);
 //! * the reflector's cache equals the server's state;
 //! * kube-controller-manager's garbage collector deletes a migrated report whose owner goes;
-//! * `--dry-run` before changed nothing.
+//! * `--dry-run` before changed nothing; a second run finds everything switched;
+//! * `reports-server migrate to-crds` (the way back) while the writer writes again returns every
+//!   object to etcd (content compared, counted), the writer's log agrees with etcd, the
+//!   APIServices are Local again and a report the garbage collector deleted while we served it
+//!   does not come back from its stale copy in etcd.
 //!
 //! Size: `REPORTS_SERVER_MIGRATION_E2E_REPORTS` PolicyReports (default 10,000) and a fifth as
 //! many EphemeralReports. Needs what `e2e_aggregated` needs (docs/e2e.md).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::Command;
+use std::fs::File;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -299,16 +304,37 @@ async fn writer(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn migrate_to_database_loses_nothing() -> Result<()> {
-    let n: usize = std::env::var("REPORTS_SERVER_MIGRATION_E2E_REPORTS")
+/// A control plane with the report CRDs, `n` PolicyReports (and a fifth as many
+/// EphemeralReports, and one PolicyReport owned by a ConfigMap in `gc`) in etcd, and our server
+/// running (not routed to yet) behind an ExternalName Service.
+struct Env {
+    bin: std::path::PathBuf,
+    cp: ControlPlane,
+    admin: Kubectl,
+    client: kube::Client,
+    server: Server,
+    database_url: String,
+    n_policy: usize,
+    n_ephemeral: usize,
+    etcd_policy: BTreeMap<String, Value>,
+    etcd_ephemeral: BTreeMap<String, Value>,
+}
+
+fn report_count(default: usize) -> Result<usize> {
+    Ok(std::env::var("REPORTS_SERVER_MIGRATION_E2E_REPORTS")
         .ok()
         .map(|v| {
             v.parse()
                 .context("REPORTS_SERVER_MIGRATION_E2E_REPORTS must be a number")
         })
         .transpose()?
-        .unwrap_or(10_000);
+        .unwrap_or(default))
+}
+
+/// One control plane at a time: two on two cores make the timing-sensitive steps flaky.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn setup(n: usize) -> Result<Env> {
     let bin = server::binary().context("building reports-server")?;
     let cp = ControlPlane::start(ControlPlaneOptions::with_controller_manager())
         .await
@@ -406,24 +432,61 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
         .nth(1)
         .cloned()
         .context("the server's --database-url")?;
-    let migrate = |extra: &[&str]| {
-        let mut cmd = Command::new(&bin);
-        cmd.args(["migrate", "to-database", "--kubeconfig"])
-            .arg(cp.kubeconfig_path())
-            .args(["--database-url", &database_url])
+    Ok(Env {
+        bin,
+        cp,
+        admin,
+        client,
+        server,
+        database_url,
+        n_policy,
+        n_ephemeral,
+        etcd_policy,
+        etcd_ephemeral,
+    })
+}
+
+impl Env {
+    /// `reports-server migrate <direction> …` against this cluster, database and Service.
+    fn migrate(&self, direction: &str, extra: &[&str]) -> Command {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(["migrate", direction, "--kubeconfig"])
+            .arg(self.cp.kubeconfig_path())
+            .args(["--database-url", &self.database_url])
             .args([
                 "--service-namespace",
                 SERVICE_NAMESPACE,
                 "--service-name",
                 SERVICE_NAME,
-            ])
-            .args(["--service-port", &server.port.to_string()])
-            .arg("--ca-bundle-file")
-            .arg(cp.ca_cert_path())
-            .args(extra)
-            .env("REPORTS_SERVER_LOG", "info");
+            ]);
+        if direction == "to-database" {
+            cmd.args(["--service-port", &self.server.port.to_string()])
+                .arg("--ca-bundle-file")
+                .arg(self.cp.ca_cert_path());
+        }
+        cmd.args(extra).env("REPORTS_SERVER_LOG", "info");
         cmd
-    };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_to_database_loses_nothing() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let env = setup(report_count(10_000)?).await?;
+    let Env {
+        bin: _,
+        cp,
+        admin,
+        client,
+        server,
+        database_url: _,
+        n_policy,
+        n_ephemeral,
+        etcd_policy,
+        etcd_ephemeral,
+    } = &env;
+    let (n_policy, n_ephemeral) = (*n_policy, *n_ephemeral);
+    let migrate = |extra: &[&str]| env.migrate("to-database", extra);
 
     // --dry-run changes nothing.
     let out = migrate(&["--dry-run"]).output()?;
@@ -452,8 +515,8 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
             "--dry-run changed APIService {name}: {a:#}"
         );
     }
-    let (served, _) = list_all(&client, &POLICY_REPORT).await?;
-    ensure!(served == etcd_policy, "--dry-run changed what etcd serves");
+    let (served, _) = list_all(client, &POLICY_REPORT).await?;
+    ensure!(&served == etcd_policy, "--dry-run changed what etcd serves");
     let vap = admin.output(
         &[
             "get",
@@ -464,12 +527,17 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
     )?;
     ensure!(!vap.status.success(), "--dry-run left a fence");
 
-    // The writer and the reflector run before, during and after the migration.
+    // The writer and the reflector run before, during and after the migration. The writer is a
+    // user of its own: the hand-back's fence lets the migration's own user (the admin) through.
+    let writer_client = cp
+        .user_client("e2e-report-writer", &["system:masters"])
+        .await?;
+
     let stop = Arc::new(AtomicBool::new(false));
     let migrating = Arc::new(AtomicBool::new(false));
     let log = Arc::new(Mutex::new(WriterLog::default()));
     let writer_task = tokio::spawn(writer(
-        client.clone(),
+        writer_client.clone(),
         stop.clone(),
         migrating.clone(),
         log.clone(),
@@ -505,7 +573,7 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
     ensure!(
         out.status.success(),
         "migrate to-database failed:\n{stderr}\n{}",
-        delegated::diagnostics(&cp, &server)
+        delegated::diagnostics(cp, server)
     );
     let report: Value =
         serde_json::from_slice(&out.stdout).context("the migration prints its report as JSON")?;
@@ -527,12 +595,12 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
         );
     }
     let floor = report["versionFloor"].as_i64().context("versionFloor")?;
-    let (ours_policy, list_rv) = list_all(&client, &POLICY_REPORT).await?;
+    let (ours_policy, list_rv) = list_all(client, &POLICY_REPORT).await?;
     ensure!(
         list_rv.parse::<i64>()? >= floor,
         "the list after the switch came from etcd (resourceVersion {list_rv} < floor {floor})"
     );
-    let (ours_ephemeral, _) = list_all(&client, &EPHEMERAL_REPORT).await?;
+    let (ours_ephemeral, _) = list_all(client, &EPHEMERAL_REPORT).await?;
 
     // Every preloaded object, identical but for resourceVersion.
     let mut compared = 0;
@@ -561,10 +629,9 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
     );
 
     // The writer's log, name by name.
-    let log = Arc::try_unwrap(log)
-        .map_err(|_| anyhow::anyhow!("writer still running"))?
-        .into_inner()
-        .unwrap();
+    let shared_log = log.clone();
+    let log = std::mem::take(&mut *log.lock().unwrap());
+    shared_log.lock().unwrap().state = log.state.clone();
     let mut expected = BTreeMap::new();
     for (name, seq) in &log.state {
         if let Some(seq) = seq {
@@ -592,7 +659,7 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
     // The reflector converges on the server's state.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let (now, _) = list_all(&client, &POLICY_REPORT).await?;
+        let (now, _) = list_all(client, &POLICY_REPORT).await?;
         let cached: BTreeMap<String, String> = reader
             .state()
             .iter()
@@ -684,7 +751,312 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
         "second run: {again:#}"
     );
 
-    delegated::unregister_apiservices(&cp).await?;
+    // The way back: `migrate to-crds` while the writer writes again.
+    let to_crds = |extra: &[&str]| env.migrate("to-crds", extra);
+    let out = to_crds(&["--dry-run"]).output()?;
+    ensure!(
+        out.status.success(),
+        "to-crds --dry-run failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for name in API_SERVICES {
+        let a: Value =
+            serde_json::from_str(&admin.run(&["get", "apiservice", name, "-o", "json"])?)?;
+        ensure!(
+            a["spec"]["service"]["name"] == SERVICE_NAME,
+            "to-crds --dry-run changed APIService {name}"
+        );
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer_task = tokio::spawn(writer(
+        writer_client.clone(),
+        stop.clone(),
+        migrating.clone(),
+        shared_log.clone(),
+    ));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (before, _) = list_all(client, &POLICY_REPORT).await?;
+    migrating.store(true, Ordering::SeqCst);
+    let t = Instant::now();
+    let out = to_crds(&[]).output()?;
+    let handback_wall = t.elapsed();
+    migrating.store(false, Ordering::SeqCst);
+    ensure!(
+        out.status.success(),
+        "migrate to-crds failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        delegated::diagnostics(cp, server)
+    );
+    let back: Value = serde_json::from_slice(&out.stdout)?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::SeqCst);
+    writer_task.await?;
+    for name in API_SERVICES {
+        let a: Value =
+            serde_json::from_str(&admin.run(&["get", "apiservice", name, "-o", "json"])?)?;
+        ensure!(
+            a["spec"]["service"].is_null(),
+            "APIService {name} not Local after to-crds: {a:#}"
+        );
+    }
+    let (crd_policy, crd_rv) = list_all(client, &POLICY_REPORT).await?;
+    ensure!(
+        crd_rv.parse::<i64>()? < floor,
+        "after to-crds the list still comes from us ({crd_rv})"
+    );
+    let (crd_ephemeral, _) = list_all(client, &EPHEMERAL_REPORT).await?;
+    ensure!(
+        crd_ephemeral.len() == ours_ephemeral.len(),
+        "{} ephemeral reports back in etcd, {} expected",
+        crd_ephemeral.len(),
+        ours_ephemeral.len()
+    );
+    let portable = |v: &Value| {
+        let mut v = v.clone();
+        if let Some(m) = v["metadata"].as_object_mut() {
+            for f in [
+                "resourceVersion",
+                "uid",
+                "creationTimestamp",
+                "generation",
+                "managedFields",
+            ] {
+                m.remove(f);
+            }
+        }
+        v
+    };
+    let mut returned = 0;
+    for (key, object) in before
+        .iter()
+        .filter(|(k, _)| !k.starts_with(&format!("{CHURN_NAMESPACE}/")))
+    {
+        let Some(found) = crd_policy.get(key) else {
+            bail!("{key} did not return to etcd")
+        };
+        ensure!(
+            portable(found) == portable(object),
+            "{key} differs after to-crds:\n ours: {object}\n etcd: {found}"
+        );
+        returned += 1;
+    }
+    for (key, object) in &ours_ephemeral {
+        ensure!(
+            crd_ephemeral.get(key).map(portable) == Some(portable(object)),
+            "ephemeral {key} differs after to-crds"
+        );
+        returned += 1;
+    }
+    let log2 = std::mem::take(&mut *shared_log.lock().unwrap());
+    let expected: BTreeMap<String, u64> = log2
+        .state
+        .iter()
+        .filter_map(|(n, s)| s.map(|s| (format!("{CHURN_NAMESPACE}/{n}"), s)))
+        .collect();
+    let actual: BTreeMap<String, u64> = crd_policy
+        .iter()
+        .filter(|(k, _)| k.starts_with(&format!("{CHURN_NAMESPACE}/")))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v["metadata"]["labels"]["seq"]
+                    .as_str()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0),
+            )
+        })
+        .collect();
+    ensure!(
+        actual == expected,
+        "after to-crds the writer's log and etcd disagree:\n log:  {expected:?}\n etcd: {actual:?}"
+    );
+    ensure!(
+        !crd_policy.contains_key("gc/owned"),
+        "the garbage-collected report came back from etcd's stale copy"
+    );
+    eprintln!(
+        "[e2e] hand-back figures: {returned} objects compared; written back {:.0} objects/s ({:.1} s); writes refused for {:.1} s; switch {:.1} s; wall {:.1?}; writer: {} acknowledged ({} during the hand-back), {} refused by the fence, {} other errors",
+        back["copyObjectsPerSecond"].as_f64().unwrap_or(0.0),
+        back["copySeconds"].as_f64().unwrap_or(0.0),
+        back["fenceSeconds"].as_f64().unwrap_or(0.0),
+        back["switchSeconds"].as_f64().unwrap_or(0.0),
+        handback_wall,
+        log2.acknowledged,
+        log2.during_migration,
+        log2.refused_by_fence,
+        log2.other_errors,
+    );
+    let vap = admin.output(
+        &[
+            "get",
+            "validatingadmissionpolicy",
+            "reports-server-migration-fence",
+        ],
+        None,
+    )?;
+    ensure!(!vap.status.success(), "to-crds left its fence");
+
+    let Env { server, cp, .. } = env;
+    drop(server);
+    cp.stop().await?;
+    Ok(())
+}
+
+/// Waits until `log` contains `marker`, or fails if `child` exits first.
+async fn wait_for_marker(
+    child: &mut std::process::Child,
+    log: &std::path::Path,
+    marker: &str,
+) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        if std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .contains(marker)
+        {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "the migration exited ({status}) before {marker:?}:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no {marker:?} in {} after 300 s",
+            log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Everything preloaded is served by us, identical but for resourceVersion, counted.
+async fn check_migrated(env: &Env, floor: i64) -> Result<usize> {
+    let (policy, rv) = list_all(&env.client, &POLICY_REPORT).await?;
+    ensure!(
+        rv.parse::<i64>()? >= floor,
+        "the list came from etcd (resourceVersion {rv} < floor {floor})"
+    );
+    let (ephemeral, _) = list_all(&env.client, &EPHEMERAL_REPORT).await?;
+    ensure!(
+        policy.len() == env.etcd_policy.len() && ephemeral.len() == env.etcd_ephemeral.len(),
+        "{} policy and {} ephemeral reports served, {} and {} expected",
+        policy.len(),
+        ephemeral.len(),
+        env.etcd_policy.len(),
+        env.etcd_ephemeral.len()
+    );
+    for (source, ours) in [
+        (&env.etcd_policy, &policy),
+        (&env.etcd_ephemeral, &ephemeral),
+    ] {
+        for (key, object) in source {
+            let found = ours
+                .get(key)
+                .with_context(|| format!("{key} was not migrated"))?;
+            ensure!(
+                without_version(found.clone()) == without_version(object.clone()),
+                "{key} differs after migration"
+            );
+        }
+    }
+    Ok(policy.len() + ephemeral.len())
+}
+
+async fn fence_exists(env: &Env) -> Result<bool> {
+    Ok(env
+        .admin
+        .output(
+            &[
+                "get",
+                "validatingadmissionpolicybinding",
+                "reports-server-migration-fence",
+            ],
+            None,
+        )?
+        .status
+        .success())
+}
+
+/// SIGKILL of `migrate to-database` in each phase (copying, behind the fence, right after the
+/// switch), then a run to the end: nothing lost, nothing duplicated, the fence gone; then the
+/// same with the server killed right after the switch and started again 2 s later. Between
+/// rounds `migrate to-crds` goes back to CRD storage, so every round starts from etcd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_resumes_after_a_kill_in_each_phase() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let mut env = setup(report_count(10_000)? / 5).await?;
+    let rounds = [
+        ("copy", "copied", false),
+        ("fence", "fence up", false),
+        ("switch", "APIService switched", false),
+        ("server", "APIService switched", true),
+    ];
+    for (round, marker, kill_server) in rounds {
+        let log = env.cp.dir().join(format!("migrate-{round}.log"));
+        let mut child = env
+            .migrate("to-database", &[])
+            .stdout(Stdio::null())
+            .stderr(File::create(&log)?)
+            .spawn()?;
+        wait_for_marker(&mut child, &log, marker).await?;
+        let outcome = if kill_server {
+            env.server.kill();
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            env.server.restart().await?;
+            let out = child.wait_with_output()?;
+            ensure!(
+                out.status.success(),
+                "the migration did not survive a server restart:\n{}",
+                std::fs::read_to_string(&log)?
+            );
+            "the migration finished across the server restart"
+        } else {
+            child.kill()?;
+            child.wait()?;
+            let out = env.migrate("to-database", &[]).output()?;
+            ensure!(
+                out.status.success(),
+                "the run after a kill during {round} failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            "a second run finished it"
+        };
+        let floor: i64 = {
+            let (_, rv) = list_all(&env.client, &POLICY_REPORT).await?;
+            rv.parse()?
+        };
+        ensure!(
+            floor > 1 << 32,
+            "after the round {round} the list resourceVersion is {floor}: not ours"
+        );
+        let n = check_migrated(&env, 1 << 32).await?;
+        ensure!(
+            !fence_exists(&env).await?,
+            "round {round}: the fence is still up"
+        );
+        eprintln!("[e2e] kill during {round}: {outcome}; {n} objects served identical, fence gone");
+        // Back to CRD storage for the next round.
+        let out = env.migrate("to-crds", &[]).output()?;
+        ensure!(
+            out.status.success(),
+            "to-crds after round {round} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (back, rv) = list_all(&env.client, &POLICY_REPORT).await?;
+        ensure!(
+            rv.parse::<i64>()? < 1 << 32,
+            "after to-crds the list still comes from us"
+        );
+        ensure!(
+            back.len() == env.etcd_policy.len(),
+            "{} policy reports back in etcd, {} expected",
+            back.len(),
+            env.etcd_policy.len()
+        );
+    }
+    let Env { server, cp, .. } = env;
     drop(server);
     cp.stop().await?;
     Ok(())

@@ -11,7 +11,7 @@ use reports_server_crds::ResourceDescriptor;
 use serde_json::{Value, json};
 
 use super::MigrationError;
-use super::plan::{FENCE_NAME, ObjectKey};
+use super::plan::{FENCE_NAME, FENCE_PROBE_NAME, ObjectKey};
 
 /// One page of a list.
 pub struct Page {
@@ -298,7 +298,7 @@ impl Cluster {
         let mut probe = json!({
             "apiVersion": r.api_version(),
             "kind": r.kind,
-            "metadata": {"name": "reports-server-migration-fence-probe"},
+            "metadata": {"name": FENCE_PROBE_NAME},
         });
         if r.namespaced {
             probe["metadata"]["namespace"] = json!("default");
@@ -318,6 +318,160 @@ impl Cluster {
             Err(kube::Error::Api(s)) if s.message.contains(FENCE_NAME) => Ok(true),
             Ok(_) | Err(kube::Error::Api(_)) => Ok(false),
             Err(e) => Err(MigrationError::kube(format!("POST {path} (dry run)"), e)),
+        }
+    }
+}
+
+impl Cluster {
+    /// The user kube-apiserver sees for this client (a SelfSubjectReview).
+    pub async fn username(&self) -> Result<String, MigrationError> {
+        let review = json!({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"});
+        let path = "/apis/authentication.k8s.io/v1/selfsubjectreviews";
+        let answer = self
+            .send_json("POST", path, "application/json", &review)
+            .await
+            .map_err(|e| MigrationError::kube(format!("POST {path}"), e))?;
+        answer["status"]["userInfo"]["username"]
+            .as_str()
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .ok_or_else(|| MigrationError::Source(format!("{path} named no user: {answer}")))
+    }
+
+    /// Creates or updates CRDs (server-side apply) and waits until each is Established.
+    pub async fn apply_crds(
+        &self,
+        crds: &[Value],
+        timeout: std::time::Duration,
+    ) -> Result<(), MigrationError> {
+        for crd in crds {
+            let name = crd["metadata"]["name"].as_str().unwrap_or_default();
+            let path = format!(
+                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}?fieldManager=reports-server-migration&force=true"
+            );
+            self.send_json("PATCH", &path, "application/apply-patch+yaml", crd)
+                .await
+                .map_err(|e| MigrationError::kube(format!("apply CRD {name}"), e))?;
+        }
+        let deadline = std::time::Instant::now() + timeout;
+        for crd in crds {
+            let name = crd["metadata"]["name"].as_str().unwrap_or_default();
+            let path = format!("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}");
+            loop {
+                let established = self.get_json(&path).await?.is_some_and(|c| {
+                    c["status"]["conditions"].as_array().is_some_and(|cs| {
+                        cs.iter()
+                            .any(|c| c["type"] == "Established" && c["status"] == "True")
+                    })
+                });
+                if established {
+                    break;
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(MigrationError::Timeout(format!(
+                        "CRD {name} not Established within {timeout:?}"
+                    )));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends every watch kube-apiserver serves from the CRD storage of `r`. Watches opened before
+    /// a switch stay connected to the CRD handler (kube-apiserver routes only new requests to
+    /// us) and would see nothing until they time out; a change of the CRD's spec makes
+    /// kube-apiserver rebuild that storage and close them, and the clients watch again — against
+    /// us, with an etcd revision that gets 410, so they relist. The spec change is a category
+    /// added and removed again.
+    pub async fn end_crd_watches(&self, r: &ResourceDescriptor) -> Result<(), MigrationError> {
+        let path = format!(
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{}",
+            r.crd_name()
+        );
+        let Some(crd) = self.get_json(&path).await? else {
+            return Ok(());
+        };
+        let original = crd["spec"]["names"]["categories"].clone();
+        let mut marked: Vec<Value> = original.as_array().cloned().unwrap_or_default();
+        marked.push(json!("reports-server-switching"));
+        for categories in [Value::Array(marked), original] {
+            let patch = json!({"spec": {"names": {"categories": categories}}});
+            self.send_json("PATCH", &path, "application/merge-patch+json", &patch)
+                .await
+                .map_err(|e| MigrationError::kube(format!("PATCH {path}"), e))?;
+        }
+        Ok(())
+    }
+
+    /// Every object of `r`, whole, by key.
+    pub async fn list_objects(
+        &self,
+        r: &ResourceDescriptor,
+        limit: u32,
+    ) -> Result<BTreeMap<ObjectKey, Value>, MigrationError> {
+        let mut out = BTreeMap::new();
+        let mut token: Option<String> = None;
+        loop {
+            let page = self.list_page(r, limit, token.as_deref()).await?;
+            for item in page.items {
+                out.insert(ObjectKey::of(&item), item);
+            }
+            token = page.continue_token;
+            if token.is_none() {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// Creates `object` (its metadata carries namespace and name).
+    pub async fn create(
+        &self,
+        r: &ResourceDescriptor,
+        object: &Value,
+    ) -> Result<(), MigrationError> {
+        let key = ObjectKey::of(object);
+        let path = if r.namespaced {
+            format!(
+                "/apis/{}/{}/namespaces/{}/{}",
+                r.group, r.version, key.namespace, r.plural
+            )
+        } else {
+            collection_path(r)
+        };
+        self.send_json("POST", &path, "application/json", object)
+            .await
+            .map_err(|e| MigrationError::kube(format!("POST {path} ({key})"), e))?;
+        Ok(())
+    }
+
+    /// Replaces the object at `object`'s key; `object` carries the resourceVersion to replace.
+    pub async fn replace(
+        &self,
+        r: &ResourceDescriptor,
+        object: &Value,
+    ) -> Result<(), MigrationError> {
+        let path = object_path(r, &ObjectKey::of(object));
+        self.send_json("PUT", &path, "application/json", object)
+            .await
+            .map_err(|e| MigrationError::kube(format!("PUT {path}"), e))?;
+        Ok(())
+    }
+
+    /// Deletes the object at `key`; a missing one is fine.
+    pub async fn delete(
+        &self,
+        r: &ResourceDescriptor,
+        key: &ObjectKey,
+    ) -> Result<(), MigrationError> {
+        let path = object_path(r, key);
+        let request = Request::delete(&path)
+            .body(Vec::new())
+            .expect("valid request");
+        match self.client.request::<Value>(request).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+            Err(e) => Err(MigrationError::kube(format!("DELETE {path}"), e)),
         }
     }
 }

@@ -270,12 +270,14 @@ pub async fn to_database(
         .map(|(g, _, _)| g.as_str())
         .collect();
     let fenced = !local_groups.is_empty();
+    // A run interrupted after its switch left the fence up: its watches may still need ending.
+    let resumed_after_switch = cluster.fence_exists().await?;
     let fence_started = Instant::now();
     let result = async {
         let mut floor_source = 0i64;
         if fenced {
             // 2. Fence the CRD storage and wait until kube-apiserver enforces it.
-            let (policy, binding) = plan::fence(&local_groups);
+            let (policy, binding) = plan::fence(&local_groups, None);
             cluster.apply_fence(&policy, &binding).await?;
             for r in &kinds {
                 wait_for(options.switch_timeout, || cluster.fence_holds(r), || {
@@ -343,6 +345,17 @@ pub async fn to_database(
         }
         if !needs_switch.is_empty() {
             report.switch_seconds = switch_started.elapsed().as_secs_f64();
+        }
+        // 6. Watches still attached to the CRD storage end, and their clients come to us.
+        for (group, version, state) in &states {
+            let switched_now = *state == GroupState::Local;
+            if switched_now || (*state == GroupState::Switched && resumed_after_switch) {
+                for r in kinds_of(group, version) {
+                    if cluster.crd_exists(r).await? {
+                        cluster.end_crd_watches(r).await?;
+                    }
+                }
+            }
         }
         Ok::<(), MigrationError>(())
     }
@@ -680,7 +693,7 @@ async fn verify_kind(
         return Err(MigrationError::Verification {
             kind: r.kind,
             count: mismatches.len(),
-            first: first.to_string(),
+            first: format!("{first}; nothing was switched and the fence is lifted"),
         });
     }
     tracing::info!(
@@ -689,4 +702,218 @@ async fn verify_kind(
         "verified: counts and content hashes agree"
     );
     Ok(())
+}
+
+/// How a hand-back to CRD storage runs.
+#[derive(Clone, Debug)]
+pub struct ToCrdsOptions {
+    /// The Service the switched APIServices point at (only groups routed there are handed back).
+    pub target: ServiceTarget,
+    /// The CRDs to install when absent (from `reports-server crds`).
+    pub crds: Vec<Value>,
+    pub page_size: u32,
+    pub dry_run: bool,
+    /// How long CRDs may take to be Established, the fence to hold and kube-apiserver to route a
+    /// group back to CRD storage.
+    pub switch_timeout: Duration,
+    /// How long the database must stay unchanged after the switch before it is read: writes
+    /// that kube-apiserver sent to the server just before the switch land first.
+    pub settle: Duration,
+}
+
+/// Hands every group routed to `options.target` back to CRD storage with the data: CRDs
+/// installed if absent, the CRD storage fenced against everyone but this migration, the
+/// APIServices given back to kube-apiserver, every object in the database written into CRD
+/// storage (created, or replaced where an older copy was left there), objects the database does
+/// not have removed, the result compared object by object, and the fence lifted.
+///
+/// CRD storage assigns uid, creationTimestamp, generation and managedFields itself on create;
+/// objects that were left in etcd by the move to the database keep their original uid.
+pub async fn to_crds(
+    cluster: &Cluster,
+    registry: &Registry,
+    options: &ToCrdsOptions,
+    progress: &Progress,
+) -> Result<MigrationReport, MigrationError> {
+    let states = group_states(cluster, &options.target).await?;
+    let fenced_before = cluster.fence_exists().await?;
+    let mut report = MigrationReport {
+        dry_run: options.dry_run,
+        groups: states
+            .iter()
+            .map(|(g, v, s)| GroupOutcome {
+                api_service: format!("{v}.{g}"),
+                state_before: format!("{s:?}"),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    // Switched groups go back; Local groups behind a fence are a hand-back that was interrupted.
+    let groups: Vec<(&str, &str)> = states
+        .iter()
+        .filter(|(_, _, s)| {
+            *s == GroupState::Switched || (*s == GroupState::Local && fenced_before)
+        })
+        .map(|(g, v, _)| (g.as_str(), v.as_str()))
+        .collect();
+    let kinds: Vec<&'static ResourceDescriptor> =
+        groups.iter().flat_map(|(g, v)| kinds_of(g, v)).collect();
+    if options.dry_run || kinds.is_empty() {
+        for r in &kinds {
+            let n = database_keys(registry, r).await?.len() as u64;
+            progress.update(r.kind, |p| p.total = n);
+            tracing::info!(kind = r.kind, in_database = n, "dry run: would write back");
+        }
+        report.kinds = progress.snapshot();
+        return Ok(report);
+    }
+    let wanted: Vec<Value> = options
+        .crds
+        .iter()
+        .filter(|c| {
+            kinds
+                .iter()
+                .any(|r| c["metadata"]["name"] == Value::String(r.crd_name()))
+        })
+        .cloned()
+        .collect();
+    cluster.apply_crds(&wanted, options.switch_timeout).await?;
+
+    // 1. Fence the CRD storage against everyone but us, then give the groups back.
+    let fence_started = Instant::now();
+    let me = cluster.username().await?;
+    let group_names: Vec<&str> = groups.iter().map(|(g, _)| *g).collect();
+    let (policy, binding) = plan::fence(&group_names, Some(&me));
+    cluster.apply_fence(&policy, &binding).await?;
+    let switch_started = Instant::now();
+    let (_, our_floor) = registry.store().versions().await?;
+    for (group, version) in &groups {
+        let name = format!("{version}.{group}");
+        cluster
+            .patch_apiservice(&name, &plan::handback_patch())
+            .await?;
+        tracing::info!(api_service = %name, "APIService given back to kube-apiserver");
+    }
+    for (group, version) in &groups {
+        let probe = kinds_of(group, version)[0];
+        wait_for(
+            options.switch_timeout,
+            || async {
+                Ok(cluster
+                    .served_revision(probe)
+                    .await?
+                    .is_some_and(|rv| rv < our_floor || our_floor == 0))
+            },
+            || format!("kube-apiserver did not serve {group}/{version} from CRD storage within {:?}; run the hand-back again", options.switch_timeout),
+        )
+        .await?;
+        wait_for(
+            options.switch_timeout,
+            || cluster.fence_holds(probe),
+            || {
+                format!(
+                    "the migration fence did not start refusing writes to {} within {:?}",
+                    probe.crd_name(),
+                    options.switch_timeout
+                )
+            },
+        )
+        .await?;
+    }
+    report.switch_seconds = switch_started.elapsed().as_secs_f64();
+    // 2. Writes sent to us just before the switch land before the database is read.
+    let mut last = registry.store().versions().await?.0;
+    loop {
+        tokio::time::sleep(options.settle).await;
+        let now = registry.store().versions().await?.0;
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+
+    // 3. Write every object back, remove what we do not have, compare.
+    let copy_started = Instant::now();
+    let mut written = 0u64;
+    for r in &kinds {
+        let theirs = cluster.list_objects(r, options.page_size).await?;
+        let mut ours: BTreeMap<ObjectKey, Value> = BTreeMap::new();
+        scan(registry, r, false, |key, body| {
+            let object: Value = serde_json::from_str(body)
+                .map_err(|e| MigrationError::Source(format!("stored {key} is not JSON: {e}")))?;
+            ours.insert(key, object);
+            Ok(())
+        })
+        .await?;
+        progress.update(r.kind, |p| p.total = ours.len() as u64);
+        let mut done = 0u64;
+        for (key, object) in &ours {
+            if object["metadata"]["deletionTimestamp"].is_string() {
+                // Being deleted (finalizers pending): CRD storage cannot take it as it is.
+                tracing::warn!(kind = r.kind, object = %key, "not written back: it is being deleted");
+                continue;
+            }
+            match plan::handback(object, theirs.get(key)) {
+                plan::Handback::Create => cluster.create(r, &plan::for_create(object)).await?,
+                plan::Handback::Update(version) => {
+                    let mut replacement = plan::for_create(object);
+                    let meta = &theirs[key]["metadata"];
+                    replacement["metadata"]["resourceVersion"] = Value::String(version);
+                    replacement["metadata"]["uid"] = meta["uid"].clone();
+                    cluster.replace(r, &replacement).await?;
+                }
+                plan::Handback::Unchanged => {}
+            }
+            done += 1;
+            written += 1;
+            progress.update(r.kind, |p| p.copied = done);
+        }
+        let stale: Vec<&ObjectKey> = theirs.keys().filter(|k| !ours.contains_key(k)).collect();
+        for key in &stale {
+            cluster.delete(r, key).await?;
+        }
+        progress.update(r.kind, |p| p.synced = stale.len() as u64);
+        // Compare what CRD storage now serves with the database, object by object.
+        let now = cluster.list_objects(r, options.page_size).await?;
+        let expected: BTreeMap<&ObjectKey, [u8; 32]> = ours
+            .iter()
+            .filter(|(_, o)| !o["metadata"]["deletionTimestamp"].is_string())
+            .map(|(k, o)| (k, plan::portable_hash(o)))
+            .collect();
+        let served: BTreeMap<&ObjectKey, [u8; 32]> = now
+            .iter()
+            .map(|(k, o)| (k, plan::portable_hash(o)))
+            .collect();
+        if expected != served {
+            let first = expected
+                .iter()
+                .find(|(k, h)| served.get(*k) != Some(*h))
+                .map(|(k, _)| format!("{k} differs or is missing in CRD storage"))
+                .or_else(|| {
+                    served
+                        .keys()
+                        .find(|k| !expected.contains_key(*k))
+                        .map(|k| format!("{k} is in CRD storage only"))
+                })
+                .unwrap_or_default();
+            return Err(MigrationError::Verification {
+                kind: r.kind,
+                count: expected.len().abs_diff(served.len()).max(1),
+                first: format!("{first}; the fence stays up: run the hand-back again"),
+            });
+        }
+        tracing::info!(
+            kind = r.kind,
+            objects = expected.len(),
+            removed = stale.len(),
+            "written back and verified"
+        );
+    }
+    report.copy_seconds = copy_started.elapsed().as_secs_f64();
+    report.copy_objects_per_second = written as f64 / report.copy_seconds.max(1e-9);
+    cluster.remove_fence().await?;
+    tracing::info!("fence lifted; the report groups are served from CRD storage");
+    report.fence_seconds = fence_started.elapsed().as_secs_f64();
+    report.kinds = progress.snapshot();
+    Ok(report)
 }

@@ -201,6 +201,9 @@ pub fn version_floor(source_revision: i64) -> i64 {
 /// Name of the ValidatingAdmissionPolicy (and its binding) that fences the source.
 pub const FENCE_NAME: &str = "reports-server-migration-fence";
 
+/// The name of the dry-run object that checks the fence holds.
+pub const FENCE_PROBE_NAME: &str = "reports-server-migration-fence-probe";
+
 /// The message clients see while the fence stands.
 pub const FENCE_MESSAGE: &str = "reports are being moved to reports-server; this write is refused for a few seconds while the switch happens, retry it";
 
@@ -208,7 +211,11 @@ pub const FENCE_MESSAGE: &str = "reports are being moved to reports-server; this
 /// report kinds of `groups` in the CRD storage while the copy is brought up to date and the
 /// APIServices are switched. kube-apiserver runs admission only for what it serves itself, so
 /// once a group is routed to us the fence no longer touches it.
-pub fn fence(groups: &[&str]) -> (Value, Value) {
+///
+/// With `exempt_user`, that user's writes pass (the hand-back to CRD storage writes through
+/// kube-apiserver behind the fence), except a dry-run probe named [`FENCE_PROBE_NAME`], so the
+/// engine can still check that the fence holds.
+pub fn fence(groups: &[&str], exempt_user: Option<&str>) -> (Value, Value) {
     let rules: Vec<Value> = groups
         .iter()
         .map(|g| {
@@ -231,6 +238,16 @@ pub fn fence(groups: &[&str]) -> (Value, Value) {
             "validations": [{"expression": "false", "message": FENCE_MESSAGE, "reason": "Forbidden"}],
         },
     });
+    let mut policy = policy;
+    if let Some(user) = exempt_user {
+        let user = serde_json::to_string(user).expect("strings serialize");
+        policy["spec"]["matchConditions"] = json!([{
+            "name": "not-the-migration",
+            "expression": format!(
+                "request.userInfo.username != {user} || (object != null && object.metadata.name == '{FENCE_PROBE_NAME}')"
+            ),
+        }]);
+    }
     let binding = json!({
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicyBinding",
@@ -268,6 +285,41 @@ pub fn takeover_patch(target: &ServiceTarget) -> Value {
     })
 }
 
+/// The JSON merge patch that gives an APIService back to kube-apiserver: no Service (Local), and
+/// the automanaged label so the autoregister controller manages it again.
+pub fn handback_patch() -> Value {
+    json!({
+        "metadata": {"labels": {AUTOMANAGED_LABEL: "true", "app.kubernetes.io/name": null}},
+        "spec": {"service": null, "caBundle": null, "insecureSkipTLSVerify": null},
+    })
+}
+
+/// Server-owned metadata that CRD storage assigns itself on create.
+const ASSIGNED_ON_CREATE: [&str; 6] = [
+    "resourceVersion",
+    "uid",
+    "creationTimestamp",
+    "generation",
+    "managedFields",
+    "selfLink",
+];
+
+/// An object as it is created in CRD storage: without what the storage assigns itself.
+pub fn for_create(object: &Value) -> Value {
+    let mut copy = object.clone();
+    if let Some(meta) = copy.get_mut("metadata").and_then(Value::as_object_mut) {
+        for f in ASSIGNED_ON_CREATE {
+            meta.remove(f);
+        }
+    }
+    copy
+}
+
+/// The content compared after a hand-back: everything but what CRD storage assigns itself.
+pub fn portable_hash(object: &Value) -> [u8; 32] {
+    content_hash(&for_create(object))
+}
+
 /// Whether an APIService already routes to `target`.
 pub fn routes_to(apiservice: &Value, target: &ServiceTarget) -> bool {
     let s = &apiservice["spec"]["service"];
@@ -282,6 +334,29 @@ pub fn is_local(apiservice: &Value) -> bool {
 /// The APIService name of a kind's group and version.
 pub fn apiservice_name(resource: &ResourceDescriptor) -> String {
     format!("{}.{}", resource.version, resource.group)
+}
+
+/// What the hand-back does to one object already in CRD storage (or not).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Handback {
+    Create,
+    /// Replace at this resourceVersion of the CRD storage.
+    Update(String),
+    Unchanged,
+}
+
+/// Decides the hand-back of one object from its copy in CRD storage, if any.
+pub fn handback(ours: &Value, theirs: Option<&Value>) -> Handback {
+    match theirs {
+        None => Handback::Create,
+        Some(t) if portable_hash(t) == portable_hash(ours) => Handback::Unchanged,
+        Some(t) => Handback::Update(
+            t["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned(),
+        ),
+    }
 }
 
 /// Copy progress of one kind.
@@ -416,6 +491,27 @@ mod tests {
     }
 
     #[test]
+    fn the_hand_back_creates_updates_or_leaves_alone() {
+        let ours = report("ns", "a", "4294967300", 1);
+        assert_eq!(handback(&ours, None), Handback::Create);
+        let mut theirs = report("ns", "a", "17", 1);
+        theirs["metadata"]["uid"] = json!("another-uid");
+        theirs["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+        assert_eq!(handback(&ours, Some(&theirs)), Handback::Unchanged);
+        theirs["summary"]["pass"] = json!(2);
+        assert_eq!(
+            handback(&ours, Some(&theirs)),
+            Handback::Update("17".into())
+        );
+        let created = for_create(&ours);
+        assert!(
+            created["metadata"].get("uid").is_none()
+                && created["metadata"].get("resourceVersion").is_none()
+        );
+        assert_eq!(created["metadata"]["name"], "a");
+    }
+
+    #[test]
     fn the_floor_is_far_above_the_source_revision() {
         assert_eq!(version_floor(12_345), 12_345 + (1 << 32));
         assert_eq!(version_floor(i64::MAX - 1), i64::MAX);
@@ -423,7 +519,7 @@ mod tests {
 
     #[test]
     fn the_fence_refuses_every_write_to_the_groups() {
-        let (policy, binding) = fence(&["wgpolicyk8s.io", "reports.kyverno.io"]);
+        let (policy, binding) = fence(&["wgpolicyk8s.io", "reports.kyverno.io"], None);
         let rules = policy["spec"]["matchConstraints"]["resourceRules"]
             .as_array()
             .unwrap();
@@ -435,6 +531,19 @@ mod tests {
         assert_eq!(policy["spec"]["validations"][0]["expression"], "false");
         assert_eq!(binding["spec"]["policyName"], FENCE_NAME);
         assert_eq!(binding["spec"]["validationActions"], json!(["Deny"]));
+        assert!(policy["spec"]["matchConditions"].is_null());
+        let (policy, _) = fence(
+            &["wgpolicyk8s.io"],
+            Some("system:serviceaccount:rs:migrator"),
+        );
+        let condition = policy["spec"]["matchConditions"][0]["expression"]
+            .as_str()
+            .unwrap();
+        assert!(
+            condition.contains(r#"!= "system:serviceaccount:rs:migrator""#),
+            "{condition}"
+        );
+        assert!(condition.contains(FENCE_PROBE_NAME), "{condition}");
     }
 
     #[test]
