@@ -58,9 +58,7 @@ pub enum MigrationError {
     Store(#[from] StoreError),
     #[error("{0}")]
     Refused(String),
-    #[error(
-        "verification failed for {kind}: {count} difference(s), first: {first}; nothing was switched and the fence is lifted"
-    )]
+    #[error("verification failed for {kind}: {count} difference(s), first: {first}")]
     Verification {
         kind: &'static str,
         count: usize,
