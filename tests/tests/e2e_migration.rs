@@ -767,9 +767,14 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
             "to-crds --dry-run changed APIService {name}"
         );
     }
-    // No writer during the hand-back yet: in the first runs with one, writes by the writer's
-    // user reached the CRD storage behind the fence, whose matchConditions exempt only the
-    // migration's own user (under investigation; docs/migration.md, "Known limits").
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer_task = tokio::spawn(writer(
+        writer_client.clone(),
+        stop.clone(),
+        migrating.clone(),
+        shared_log.clone(),
+    ));
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let (before, _) = list_all(client, &POLICY_REPORT).await?;
     migrating.store(true, Ordering::SeqCst);
     let t = Instant::now();
@@ -783,6 +788,9 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
         delegated::diagnostics(cp, server)
     );
     let back: Value = serde_json::from_slice(&out.stdout)?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::SeqCst);
+    writer_task.await?;
     for name in API_SERVICES {
         let a: Value =
             serde_json::from_str(&admin.run(&["get", "apiservice", name, "-o", "json"])?)?;

@@ -783,6 +783,10 @@ pub async fn to_crds(
     let group_names: Vec<&str> = groups.iter().map(|(g, _)| *g).collect();
     let (policy, binding) = plan::fence(&group_names, Some(&me));
     cluster.apply_fence(&policy, &binding).await?;
+    // The fence cannot be probed before the switch (requests still reach us), and a write that
+    // reaches CRD storage before kube-apiserver enforces it would be overwritten by the copy:
+    // give kube-apiserver's admission informers the settle time first.
+    tokio::time::sleep(options.settle).await;
     let switch_started = Instant::now();
     let (_, our_floor) = registry.store().versions().await?;
     for (group, version) in &groups {

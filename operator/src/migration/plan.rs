@@ -35,16 +35,48 @@ impl std::fmt::Display for ObjectKey {
     }
 }
 
-/// SHA-256 of an object's content as both storages keep it: everything but
-/// `metadata.resourceVersion`, which each assigns itself. Key order is kept as stored (the JSON
-/// maps preserve order), so equal hashes mean byte-identical documents once the version is gone.
+/// SHA-256 of an object's content: everything but `metadata.resourceVersion`, which each
+/// storage assigns itself. Object keys are hashed in sorted order: kube-apiserver writes them
+/// sorted, the server keeps them as they were sent, and the order carries no meaning.
 pub fn content_hash(object: &Value) -> [u8; 32] {
     let mut copy = object.clone();
     if let Some(meta) = copy.get_mut("metadata").and_then(Value::as_object_mut) {
         meta.remove("resourceVersion");
     }
-    let bytes = serde_json::to_vec(&copy).expect("JSON values serialize");
-    Sha256::digest(&bytes).into()
+    let mut hasher = Sha256::new();
+    hash_canonical(&copy, &mut hasher);
+    hasher.finalize().into()
+}
+
+/// Feeds `value` to `hasher` as JSON with every object's keys sorted.
+fn hash_canonical(value: &Value, hasher: &mut Sha256) {
+    match value {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            hasher.update(b"{");
+            for key in keys {
+                hasher.update(
+                    serde_json::to_string(key)
+                        .expect("strings serialize")
+                        .as_bytes(),
+                );
+                hasher.update(b":");
+                hash_canonical(&map[key], hasher);
+                hasher.update(b",");
+            }
+            hasher.update(b"}");
+        }
+        Value::Array(items) => {
+            hasher.update(b"[");
+            for item in items {
+                hash_canonical(item, hasher);
+                hasher.update(b",");
+            }
+            hasher.update(b"]");
+        }
+        scalar => hasher.update(scalar.to_string().as_bytes()),
+    }
 }
 
 /// What the migration knows of one object in the source: the source's resourceVersion of the
@@ -400,6 +432,18 @@ mod tests {
         assert_eq!(content_hash(&a), content_hash(&report("ns", "a", "999", 1)));
         assert_ne!(content_hash(&a), content_hash(&report("ns", "a", "10", 2)));
         assert_ne!(content_hash(&a), content_hash(&report("ns2", "a", "10", 1)));
+        // Key order is not content: kube-apiserver sorts keys, the server keeps the client's.
+        let reordered: Value = serde_json::from_str(
+            r#"{"summary": {"pass": 1}, "kind": "PolicyReport", "apiVersion": "wgpolicyk8s.io/v1alpha2",
+                "metadata": {"uid": "uid-a", "name": "a", "namespace": "ns", "resourceVersion": "3"}}"#,
+        )
+        .unwrap();
+        assert_eq!(content_hash(&a), content_hash(&reordered));
+        // Arrays keep their order.
+        assert_ne!(
+            content_hash(&json!({"a": [1, 2]})),
+            content_hash(&json!({"a": [2, 1]}))
+        );
     }
 
     #[test]
