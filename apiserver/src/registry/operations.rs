@@ -51,6 +51,20 @@ pub struct Imported {
     pub unchanged: usize,
 }
 
+/// The batch targets of `keys` (namespace, name) of one kind.
+fn targets_of<'a>(
+    resource: &'static ResourceDescriptor,
+    keys: &'a [(String, String)],
+) -> Vec<Target<'a>> {
+    keys.iter()
+        .map(|(namespace, name)| Target {
+            resource,
+            namespace,
+            name,
+        })
+        .collect()
+}
+
 /// The (namespace, name) of an object to import, checked against the kind's scope.
 fn import_key(
     resource: &'static ResourceDescriptor,
@@ -204,14 +218,7 @@ impl Registry {
         for object in &objects {
             keys.push(import_key(resource, object)?);
         }
-        let targets: Vec<Target<'_>> = keys
-            .iter()
-            .map(|(namespace, name)| Target {
-                resource,
-                namespace,
-                name,
-            })
-            .collect();
+        let targets = targets_of(resource, &keys);
         let mut objects: Vec<Option<Value>> = objects.into_iter().map(Some).collect();
         let outcomes = self
             .store
@@ -238,14 +245,7 @@ impl Registry {
         resource: &'static ResourceDescriptor,
         keys: &[(String, String)],
     ) -> Result<usize, RegistryError> {
-        let targets: Vec<Target<'_>> = keys
-            .iter()
-            .map(|(namespace, name)| Target {
-                resource,
-                namespace,
-                name,
-            })
-            .collect();
+        let targets = targets_of(resource, keys);
         let outcomes = self
             .store
             .mutate_batch::<RegistryError, _>(&targets, false, |_, _| Ok(Mutation::Delete))

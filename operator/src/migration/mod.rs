@@ -130,6 +130,23 @@ pub struct MigrationReport {
     pub version_floor: i64,
 }
 
+impl MigrationReport {
+    /// The report of a run that found the groups in `states`.
+    fn starting(dry_run: bool, states: &[(String, String, GroupState)]) -> Self {
+        MigrationReport {
+            dry_run,
+            groups: states
+                .iter()
+                .map(|(g, v, s)| GroupOutcome {
+                    api_service: format!("{v}.{g}"),
+                    state_before: format!("{s:?}"),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+}
+
 /// Shared, current progress; the engine updates it and callers read it (logs, status, a bar).
 #[derive(Clone, Default)]
 pub struct Progress {
@@ -200,17 +217,7 @@ pub async fn to_database(
     progress: &Progress,
 ) -> Result<MigrationReport, MigrationError> {
     let states = group_states(cluster, &options.target).await?;
-    let mut report = MigrationReport {
-        dry_run: options.dry_run,
-        groups: states
-            .iter()
-            .map(|(g, v, s)| GroupOutcome {
-                api_service: format!("{v}.{g}"),
-                state_before: format!("{s:?}"),
-            })
-            .collect(),
-        ..Default::default()
-    };
+    let mut report = MigrationReport::starting(options.dry_run, &states);
     let mut kinds = Vec::new();
     for (group, version, state) in &states {
         if *state == GroupState::Local {
@@ -365,7 +372,7 @@ pub async fn to_database(
         // Routed to us but not confirmed: the fence keeps etcd from taking writes meanwhile.
         Err(MigrationError::Timeout(_)) if fenced && report.version_floor > 0 => {}
         _ => {
-            if fenced || cluster.fence_exists().await? {
+            if fenced || resumed_after_switch {
                 cluster.remove_fence().await?;
                 tracing::info!("fence lifted");
             }
@@ -735,17 +742,7 @@ pub async fn to_crds(
 ) -> Result<MigrationReport, MigrationError> {
     let states = group_states(cluster, &options.target).await?;
     let fenced_before = cluster.fence_exists().await?;
-    let mut report = MigrationReport {
-        dry_run: options.dry_run,
-        groups: states
-            .iter()
-            .map(|(g, v, s)| GroupOutcome {
-                api_service: format!("{v}.{g}"),
-                state_before: format!("{s:?}"),
-            })
-            .collect(),
-        ..Default::default()
-    };
+    let mut report = MigrationReport::starting(options.dry_run, &states);
     // Switched groups go back; Local groups behind a fence are a hand-back that was interrupted.
     let groups: Vec<(&str, &str)> = states
         .iter()
