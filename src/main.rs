@@ -181,6 +181,15 @@ struct ServeArgs {
         default_value = "standalone"
     )]
     auth_mode: AuthModeArg,
+    /// On SIGTERM, keep serving this many seconds with `/readyz` failing before stopping, so
+    /// that endpoints (and kube-apiserver's aggregator) stop sending requests first. The operator
+    /// sets 5 for its pods; 0 stops at once.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_SHUTDOWN_DELAY_SECONDS",
+        default_value_t = 0
+    )]
+    shutdown_delay_seconds: u64,
     /// Kubeconfig for delegated mode [default: in-cluster configuration, then $KUBECONFIG].
     #[arg(long, env = "REPORTS_SERVER_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
@@ -344,8 +353,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let aggregation = args.aggregation.spawn(&server, cluster.as_ref());
     let token = server.shutdown_token();
+    let draining = server.draining_token();
+    let delay = Duration::from_secs(args.shutdown_delay_seconds);
     tokio::spawn(async move {
         shutdown_signal().await;
+        if !delay.is_zero() {
+            tracing::info!(
+                delay_seconds = delay.as_secs(),
+                "terminating: /readyz now fails; still serving until the delay ends"
+            );
+            draining.cancel();
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                // A second signal stops at once.
+                _ = shutdown_signal() => {}
+            }
+        }
         tracing::info!("shutting down");
         token.cancel();
     });

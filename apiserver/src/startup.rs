@@ -66,6 +66,7 @@ pub struct RunningServer {
     pub store: Store,
     pub pki: StandalonePki,
     shutdown: CancellationToken,
+    draining: CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -93,6 +94,12 @@ impl RunningServer {
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
     }
+
+    /// Cancel to start draining: `/readyz` fails, everything else keeps serving until
+    /// [`Self::shutdown_token`] is cancelled.
+    pub fn draining_token(&self) -> CancellationToken {
+        self.draining.clone()
+    }
 }
 
 /// Starts the server: PKI, database (migrated), listener, and in standalone mode the kubeconfig.
@@ -110,6 +117,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
         .local_addr()
         .map_err(|e| server::ServeError::Bind(config.bind, e))?;
     let metrics = Metrics::new();
+    let draining = CancellationToken::new();
     let (state, tls) = match &config.auth {
         AuthMode::Standalone => {
             let client_auth = ClientAuth::Roots(vec![pki.ca.cert_pem.clone()]);
@@ -121,6 +129,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
                 authorizer: Arc::new(AllowAuthenticated),
                 metrics: metrics.clone(),
                 options: config.api.clone(),
+                draining: draining.clone(),
             };
             (state, tls)
         }
@@ -136,6 +145,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
                 authorizer: Arc::new(SarAuthorizer::new(client.clone())),
                 metrics: metrics.clone(),
                 options: config.api.clone(),
+                draining: draining.clone(),
             };
             (state, tls)
         }
@@ -154,6 +164,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
         store,
         pki,
         shutdown,
+        draining,
         task,
     };
     if matches!(config.auth, AuthMode::Standalone) {

@@ -337,7 +337,7 @@ fn api_services(inputs: &Inputs<'_>, svc: &str, port: i32, ca_pem: &str) -> Vec<
 }
 
 /// The server's own RBAC: delegated authentication and authorization, namespaces, leases,
-/// Kyverno policies (to drop results of deleted policies), and `get` on any object (to adopt
+/// Kyverno policies and admission policies (to drop results of deleted policies), and `get` on any object (to adopt
 /// admission reports written before their subject had a UID).
 fn server_rbac(rs: &ReportsServer) -> Vec<Value> {
     let cluster = cluster_name(rs);
@@ -353,6 +353,8 @@ fn server_rbac(rs: &ReportsServer) -> Vec<Value> {
                 {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
                 {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "list", "watch", "create", "update"]},
                 {"apiGroups": ["kyverno.io", "policies.kyverno.io"], "resources": ["*"], "verbs": ["get", "list", "watch"]},
+                // Kyverno also reports on ValidatingAdmissionPolicies and MutatingAdmissionPolicies.
+                {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingadmissionpolicies", "mutatingadmissionpolicies"], "verbs": ["get", "list", "watch"]},
                 {"apiGroups": ["*"], "resources": ["*"], "verbs": ["get"]},
             ],
         }),
@@ -379,6 +381,9 @@ fn server_rbac(rs: &ReportsServer) -> Vec<Value> {
         }),
     ]
 }
+
+/// How long a terminating server pod keeps serving (`serve --shutdown-delay-seconds`).
+pub const SHUTDOWN_DELAY_SECONDS: u32 = 5;
 
 /// Name of the managed PostgreSQL's StatefulSet, Service and password Secret.
 pub fn postgres_name(rs: &ReportsServer) -> String {
@@ -520,6 +525,9 @@ pub fn server_args(spec: &ReportsServerSpec, db: &Database) -> Vec<String> {
             }
         ),
         format!("--aggregation={}", a.enabled),
+        // Terminating pods keep answering while their endpoint removal reaches kube-apiserver's
+        // aggregator; without it a rolling update fails the requests routed in that window.
+        format!("--shutdown-delay-seconds={SHUTDOWN_DELAY_SECONDS}"),
     ];
     if a.enabled {
         args.push(format!("--aggregation-delay={}", a.delay));

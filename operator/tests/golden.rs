@@ -1,6 +1,10 @@
 //! The objects each kind of installation creates, compared with golden YAML under
 //! `operator/tests/golden/`. A change to a builder shows up as a reviewable diff of these
 //! files; `UPDATE_GENERATED=1 cargo test -p reports-server-operator --test golden` rewrites them.
+//!
+//! The in-cluster modes are rendered from the ReportsServers of `manifests/examples/`, so the
+//! same golden files are what `tests/tests/e2e_operator_node.rs` compares the live objects with
+//! after applying those examples on a real node.
 
 use std::path::PathBuf;
 
@@ -64,13 +68,29 @@ fn check(name: &str, yaml: String) -> Option<String> {
     })
 }
 
+/// The ReportsServer of `manifests/examples/<name>.yaml` (the file's last document).
+fn example(name: &str) -> ReportsServer {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../manifests/examples")
+        .join(format!("{name}.yaml"));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let doc = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| <serde_yaml::Value as serde::Deserialize>::deserialize(d).unwrap())
+        .filter(|d| d["kind"] == "ReportsServer")
+        .last()
+        .unwrap_or_else(|| panic!("{} has no ReportsServer", path.display()));
+    let example: ReportsServer = serde_yaml::from_value(doc).unwrap();
+    rs(example.spec)
+}
+
 #[test]
 fn golden_objects_per_mode() {
     let cases = [
-        ("sqlite", rs(ReportsServerSpec::default())),
-        ("postgres-managed", rs(managed(2))),
+        ("sqlite", example("sqlite")),
+        ("postgres-managed", example("postgres-managed")),
+        ("postgres-external", example("postgres-external")),
         (
-            "postgres-external",
+            "postgres-external-verify-full",
             rs(ReportsServerSpec {
                 replicas: 2,
                 database: DatabaseSpec {

@@ -12,6 +12,7 @@ pub mod node;
 pub mod objects;
 pub mod postgres;
 pub mod server;
+pub mod service_net;
 
 use std::path::Path;
 

@@ -37,13 +37,15 @@
 //!
 //! # Reaching pods and the API
 //!
-//! There is no kube-proxy. kube-apiserver runs with `--enable-aggregator-routing=true`, so the
-//! aggregator sends APIService traffic straight to a ready endpoint (pod IP) of the Service,
-//! which it can reach through `cni0`; ClusterIP routing would need kube-proxy's iptables rules
-//! for every Service. The one ClusterIP pods do need is `kubernetes.default` (10.0.0.1:443, for
-//! in-cluster clients): the harness adds 10.0.0.1 to the namespace's `lo` and forwards
-//! 10.0.0.1:443 to kube-apiserver's port in-process. kube-apiserver's certificate already names
-//! 10.0.0.1, so in-cluster TLS verification works unchanged.
+//! There is no kube-proxy and no CoreDNS. kube-apiserver runs with
+//! `--enable-aggregator-routing=true`, so the aggregator sends APIService traffic straight to a
+//! ready endpoint (pod IP) of the Service, which it can reach through `cni0`. `kubernetes.default`
+//! (10.0.0.1:443, for in-cluster clients) is forwarded in-process to kube-apiserver's port
+//! (kube-apiserver's certificate already names 10.0.0.1, so in-cluster TLS verification works
+//! unchanged). Every other Service gets the user-space Service network of
+//! [`crate::service_net`]: its ClusterIP on the namespace's `lo`, forwarded to a ready endpoint,
+//! and its name answered by a DNS server on the node IP, which the kubelet writes into pods'
+//! resolv.conf as `clusterDNS`.
 
 use std::{
     collections::BTreeSet,
@@ -64,6 +66,7 @@ use crate::controlplane::{
     kube_client_for, run_cache_build_script, spawn_tied_to_test, tail_file, workspace_root,
 };
 use crate::postgres::which;
+use crate::service_net::ServiceNet;
 
 /// The node's name (and the kubelet's client certificate CN `system:node:<name>`).
 pub const NODE_NAME: &str = "e2e-node";
@@ -75,6 +78,8 @@ pub const POD_SUBNET: &str = "10.88.0.0/16";
 pub const KUBERNETES_SERVICE_IP: &str = "10.0.0.1";
 /// Image reference of the reports-server image (`tests/node/image.sh ref reports-server`).
 pub const REPORTS_SERVER_IMAGE: &str = "localhost/reports-server:e2e";
+/// The kubelet's cluster domain (Service names are `<svc>.<ns>.svc.cluster.local`).
+pub const CLUSTER_DOMAIN: &str = "cluster.local";
 /// The sandbox image containerd is configured with.
 pub const PAUSE_IMAGE: &str = "registry.k8s.io/pause:3.10";
 /// Image reference of the PostgreSQL image.
@@ -577,6 +582,7 @@ pub struct Node {
     dir: PathBuf,
     procs: Vec<(&'static str, Child)>,
     forwarder: Option<ForwarderGuard>,
+    service_net: Option<ServiceNet>,
     containerd_socket: PathBuf,
 }
 
@@ -643,8 +649,15 @@ impl Node {
             dir,
             procs: Vec::new(),
             forwarder: None,
+            service_net: None,
         };
         node.forwarder = Some(forward_kubernetes_service(node.cp()).await?);
+        node.service_net = Some(ServiceNet::start(
+            node.cp().kubeconfig_path(),
+            NODE_IP.parse()?,
+            CLUSTER_DOMAIN,
+            &[(KUBERNETES_SERVICE_IP.parse()?, 443)],
+        )?);
         node.start_containerd().await?;
         for name in IMAGES {
             node.import_image(&run.image(name))?;
@@ -826,6 +839,28 @@ oom_score = 0
         }
     }
 
+    /// Gives an imported image a second reference, so that manifests naming a published image
+    /// (`reports-server:0.1.0`, `docker.io/library/postgres:17`) run the locally built one: with
+    /// a tag other than `latest` the kubelet's default pull policy is IfNotPresent and nothing is
+    /// pulled.
+    pub fn tag_image(&self, image: &str, as_ref: &str) -> Result<()> {
+        let full = if as_ref
+            .split('/')
+            .next()
+            .is_some_and(|h| h.contains('.') || h.contains(':'))
+            && as_ref.contains('/')
+        {
+            as_ref.to_string()
+        } else if as_ref.contains('/') {
+            format!("docker.io/{as_ref}")
+        } else {
+            format!("docker.io/library/{as_ref}")
+        };
+        let _ = self.ctr(&["images", "rm", &full]);
+        self.ctr(&["images", "tag", image, &full])?;
+        Ok(())
+    }
+
     /// `ctr` against this node's containerd, in the `k8s.io` namespace (the one CRI uses).
     pub fn ctr(&self, args: &[&str]) -> Result<String> {
         let sock = self.containerd_socket.display().to_string();
@@ -925,7 +960,9 @@ oom_score = 0
             "podLogsDir": d.join("pod-logs"),
             "volumePluginDir": d.join("volume-plugins"),
             "resolvConf": "",
-            "clusterDomain": "cluster.local",
+            "clusterDomain": CLUSTER_DOMAIN,
+            // The harness' DNS server (service_net.rs) on the node IP.
+            "clusterDNS": [NODE_IP],
             "hairpinMode": "none",
             "failSwapOn": false,
             // The images cannot be pulled again (no registry): never garbage-collect them, and
@@ -1010,6 +1047,7 @@ oom_score = 0
 
     fn shutdown(&mut self) {
         self.forwarder = None;
+        self.service_net = None;
         // Reverse start order: kubelet, kube-scheduler, containerd.
         while let Some((name, mut child)) = self.procs.pop() {
             if name == "containerd" {
@@ -1192,5 +1230,67 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) {
         } else {
             out.push(p);
         }
+    }
+}
+
+/// A client that sends `GET <path>` through kube-apiserver every `every` and records each
+/// failure, for "no request fails during a rolling update" checks. Each request has 5 s.
+pub struct ApiPoller {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ok: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    errors: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ApiPoller {
+    pub fn start(client: kube::Client, path: &'static str, every: Duration) -> ApiPoller {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ok = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let errors = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let task = {
+            let (stop, ok, errors) = (stop.clone(), ok.clone(), errors.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    let started = Instant::now();
+                    let failure = match tokio::time::timeout(
+                        Duration::from_secs(5),
+                        crate::delegated::raw(&client, "GET", path),
+                    )
+                    .await
+                    {
+                        Ok(Ok((200, _))) => {
+                            ok.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                        Ok(Ok((s, b))) => format!(
+                            "{s} after {:.0?}: {}",
+                            started.elapsed(),
+                            b.chars().take(200).collect::<String>()
+                        ),
+                        Ok(Err(e)) => format!("{e:#}"),
+                        Err(_) => "no answer in 5s".into(),
+                    };
+                    errors.lock().unwrap().push(failure);
+                }
+            })
+        };
+        ApiPoller {
+            stop,
+            ok,
+            errors,
+            task,
+        }
+    }
+
+    /// Stops polling: (successful requests, failures).
+    pub async fn finish(self) -> Result<(u64, Vec<String>)> {
+        use std::sync::atomic::Ordering;
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await?;
+        let errors = self.errors.lock().unwrap().clone();
+        Ok((self.ok.load(Ordering::Relaxed), errors))
     }
 }

@@ -16,10 +16,6 @@
 
 use std::{
     process::Command,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
-    },
     time::{Duration, Instant},
 };
 
@@ -105,36 +101,8 @@ async fn scenarios(node: &Node, run: &RunDir) -> Result<()> {
     );
 
     // ---- 2. Rolling update under a polling client -----------------------------------------
-    let stop = Arc::new(AtomicBool::new(false));
-    let ok = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let poller = {
-        let (stop, ok, errors, client) = (stop.clone(), ok.clone(), errors.clone(), client.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(POLL_EVERY);
-            while !stop.load(Ordering::Relaxed) {
-                tick.tick().await;
-                let started = Instant::now();
-                match tokio::time::timeout(
-                    Duration::from_secs(5),
-                    raw(&client, "GET", "/apis/wgpolicyk8s.io/v1alpha2"),
-                )
-                .await
-                {
-                    Ok(Ok((200, _))) => {
-                        ok.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Ok(Ok((s, b))) => errors.lock().unwrap().push(format!(
-                        "{s} after {:.0?}: {}",
-                        started.elapsed(),
-                        b.chars().take(200).collect::<String>()
-                    )),
-                    Ok(Err(e)) => errors.lock().unwrap().push(format!("{e:#}")),
-                    Err(_) => errors.lock().unwrap().push("no answer in 5s".into()),
-                }
-            }
-        })
-    };
+    let poller =
+        node::ApiPoller::start(client.clone(), "/apis/wgpolicyk8s.io/v1alpha2", POLL_EVERY);
     // Some polls against the old pods first, then the update, then some against the new ones.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let t = Instant::now();
@@ -153,11 +121,8 @@ async fn scenarios(node: &Node, run: &RunDir) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::Relaxed);
-    poller.await?;
+    let (ok, errors) = poller.finish().await?;
     let new_pods = pods(node)?;
-    let errors = errors.lock().unwrap().clone();
-    let ok = ok.load(Ordering::Relaxed);
     eprintln!(
         "[e2e_node] rolling update in {rolled_in:.1?}: pods {old_pods:?} -> {new_pods:?}; \
          GET /apis/wgpolicyk8s.io/v1alpha2 every {POLL_EVERY:?}: {ok} ok, {} errors",

@@ -75,6 +75,10 @@ pub struct AppState {
     pub authorizer: Arc<dyn Authorizer>,
     pub metrics: Arc<Metrics>,
     pub options: ApiOptions,
+    /// Cancelled when the process was asked to stop but keeps serving for a while (see
+    /// `serve --shutdown-delay-seconds`): `/readyz` fails from then on, so endpoints drop the
+    /// pod while requests already routed to it still succeed.
+    pub draining: tokio_util::sync::CancellationToken,
 }
 
 /// Builds the router.
@@ -153,6 +157,13 @@ async fn livez() -> &'static str {
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {
+    if state.draining.is_cancelled() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "[-]shutdown: the server is terminating\nreadyz check failed\n",
+        )
+            .into_response();
+    }
     match tokio::time::timeout(Duration::from_secs(5), state.store.ping()).await {
         Ok(Ok(())) => "ok".into_response(),
         Ok(Err(e)) => (
