@@ -11,7 +11,7 @@ use reports_server_crds::ResourceDescriptor;
 use serde_json::{Value, json};
 
 use super::MigrationError;
-use super::plan::{FENCE_NAME, FENCE_PROBE_NAME, ObjectKey};
+use super::plan::{self, FENCE_NAME, FENCE_PROBE_NAME, ObjectKey};
 
 /// One page of a list.
 pub struct Page {
@@ -273,13 +273,22 @@ impl Cluster {
             .is_some())
     }
 
-    /// Removes the fence; a missing fence is fine.
+    /// Removes the fence and the probe CRD; missing ones are fine.
     pub async fn remove_fence(&self) -> Result<(), MigrationError> {
-        for plural in [
-            "validatingadmissionpolicybindings",
-            "validatingadmissionpolicies",
+        let probe_crd = format!(
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{}.{}",
+            plan::PROBE_PLURAL,
+            plan::PROBE_GROUP
+        );
+        for path in [
+            format!(
+                "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings/{FENCE_NAME}"
+            ),
+            format!(
+                "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{FENCE_NAME}"
+            ),
+            probe_crd,
         ] {
-            let path = format!("/apis/admissionregistration.k8s.io/v1/{plural}/{FENCE_NAME}");
             let request = Request::delete(&path)
                 .body(Vec::new())
                 .expect("valid request");
@@ -305,14 +314,35 @@ impl Cluster {
         }
         let path = if r.namespaced {
             format!(
-                "/apis/{}/{}/namespaces/default/{}?dryRun=All",
+                "/apis/{}/{}/namespaces/default/{}",
                 r.group, r.version, r.plural
             )
         } else {
-            format!("{}?dryRun=All", collection_path(r))
+            collection_path(r)
         };
+        self.dry_run_refused_by_fence(&path, &probe).await
+    }
+
+    /// Whether the fence refuses a dry-run create of the probe kind ([`plan::probe_crd`]), which
+    /// kube-apiserver serves whatever the report groups' APIServices say.
+    pub async fn fence_holds_on_probe(&self) -> Result<bool, MigrationError> {
+        let probe = json!({
+            "apiVersion": format!("{}/v1", plan::PROBE_GROUP),
+            "kind": plan::PROBE_KIND,
+            "metadata": {"name": FENCE_PROBE_NAME},
+        });
+        let path = format!("/apis/{}/v1/{}", plan::PROBE_GROUP, plan::PROBE_PLURAL);
+        self.dry_run_refused_by_fence(&path, &probe).await
+    }
+
+    async fn dry_run_refused_by_fence(
+        &self,
+        collection: &str,
+        probe: &Value,
+    ) -> Result<bool, MigrationError> {
+        let path = format!("{collection}?dryRun=All");
         match self
-            .send_json("POST", &path, "application/json", &probe)
+            .send_json("POST", &path, "application/json", probe)
             .await
         {
             Err(kube::Error::Api(s)) if s.message.contains(FENCE_NAME) => Ok(true),

@@ -771,6 +771,7 @@ pub async fn to_crds(
                 .any(|r| c["metadata"]["name"] == Value::String(r.crd_name()))
         })
         .cloned()
+        .chain([plan::probe_crd()])
         .collect();
     cluster.apply_crds(&wanted, options.switch_timeout).await?;
 
@@ -780,10 +781,23 @@ pub async fn to_crds(
     let group_names: Vec<&str> = groups.iter().map(|(g, _)| *g).collect();
     let (policy, binding) = plan::fence(&group_names, Some(&me));
     cluster.apply_fence(&policy, &binding).await?;
-    // The fence cannot be probed before the switch (requests still reach us), and a write that
-    // reaches CRD storage before kube-apiserver enforces it would be overwritten by the copy:
-    // give kube-apiserver's admission informers the settle time first.
-    tokio::time::sleep(options.settle).await;
+    // A write that reached CRD storage after the switch but before kube-apiserver enforces the
+    // fence would be overwritten by the write-back (an acknowledged delete undone, an update
+    // reverted). The report kinds cannot be probed yet (requests for them still reach us), so
+    // the fence is probed on a kind of our own that kube-apiserver serves: once it refuses
+    // there, the policy is loaded and refuses the report kinds from the moment they are local.
+    wait_for(
+        options.switch_timeout,
+        || cluster.fence_holds_on_probe(),
+        || {
+            format!(
+                "the migration fence did not start refusing writes within {:?}; is the ValidatingAdmissionPolicy admission plugin enabled?",
+                options.switch_timeout
+            )
+        },
+    )
+    .await?;
+    tracing::info!("fence holds (probed); giving the groups back");
     let switch_started = Instant::now();
     let (_, our_floor) = registry.store().versions().await?;
     for (group, version) in &groups {

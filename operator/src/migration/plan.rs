@@ -236,6 +236,39 @@ pub const FENCE_NAME: &str = "reports-server-migration-fence";
 /// The name of the dry-run object that checks the fence holds.
 pub const FENCE_PROBE_NAME: &str = "reports-server-migration-fence-probe";
 
+/// Group of the probe CRD: a kind of our own, always served from CRD storage, that the fence
+/// covers too. The fence can be checked on it while the report groups are still routed to us,
+/// that is before a hand-back gives them to kube-apiserver (whose admission only runs for what
+/// it serves itself).
+pub const PROBE_GROUP: &str = "migration.reportsserver.io";
+/// Plural of the probe kind `FenceProbe` (cluster-scoped, never stored: only dry-run creates).
+pub const PROBE_PLURAL: &str = "fenceprobes";
+/// Kind of the probe CRD.
+pub const PROBE_KIND: &str = "FenceProbe";
+
+/// The probe CRD (see [`PROBE_GROUP`]).
+pub fn probe_crd() -> Value {
+    json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": format!("{PROBE_PLURAL}.{PROBE_GROUP}"),
+            "labels": {"app.kubernetes.io/name": "reports-server", "app.kubernetes.io/component": "migration"},
+        },
+        "spec": {
+            "group": PROBE_GROUP,
+            "scope": "Cluster",
+            "names": {"plural": PROBE_PLURAL, "singular": "fenceprobe", "kind": PROBE_KIND, "listKind": "FenceProbeList"},
+            "versions": [{
+                "name": "v1",
+                "served": true,
+                "storage": true,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
+            }],
+        },
+    })
+}
+
 /// The message clients see while the fence stands.
 pub const FENCE_MESSAGE: &str = "reports are being moved to reports-server; this write is refused for a few seconds while the switch happens, retry it";
 
@@ -246,9 +279,11 @@ pub const FENCE_MESSAGE: &str = "reports are being moved to reports-server; this
 ///
 /// With `exempt_user`, that user's writes pass (the hand-back to CRD storage writes through
 /// kube-apiserver behind the fence), except a dry-run probe named [`FENCE_PROBE_NAME`], so the
-/// engine can still check that the fence holds.
+/// engine can still check that the fence holds. The fence also covers creates of the probe kind
+/// ([`probe_crd`]), where it can be checked before the report groups are served by
+/// kube-apiserver.
 pub fn fence(groups: &[&str], exempt_user: Option<&str>) -> (Value, Value) {
-    let rules: Vec<Value> = groups
+    let mut rules: Vec<Value> = groups
         .iter()
         .map(|g| {
             json!({
@@ -259,6 +294,12 @@ pub fn fence(groups: &[&str], exempt_user: Option<&str>) -> (Value, Value) {
             })
         })
         .collect();
+    rules.push(json!({
+        "apiGroups": [PROBE_GROUP],
+        "apiVersions": ["*"],
+        "resources": [PROBE_PLURAL],
+        "operations": ["CREATE"],
+    }));
     let labels = json!({"app.kubernetes.io/name": "reports-server", "app.kubernetes.io/component": "migration"});
     let policy = json!({
         "apiVersion": "admissionregistration.k8s.io/v1",
@@ -567,10 +608,19 @@ mod tests {
         let rules = policy["spec"]["matchConstraints"]["resourceRules"]
             .as_array()
             .unwrap();
-        assert_eq!(rules.len(), 2);
+        assert_eq!(rules.len(), 3, "two groups and the probe kind");
         assert_eq!(
             rules[0]["operations"],
             json!(["CREATE", "UPDATE", "DELETE"])
+        );
+        assert_eq!(rules[2]["apiGroups"], json!([PROBE_GROUP]));
+        assert_eq!(rules[2]["resources"], json!([PROBE_PLURAL]));
+        let crd = probe_crd();
+        assert_eq!(crd["spec"]["group"], PROBE_GROUP);
+        assert_eq!(crd["spec"]["names"]["plural"], PROBE_PLURAL);
+        assert_eq!(
+            crd["metadata"]["name"],
+            format!("{PROBE_PLURAL}.{PROBE_GROUP}")
         );
         assert_eq!(policy["spec"]["validations"][0]["expression"], "false");
         assert_eq!(binding["spec"]["policyName"], FENCE_NAME);
