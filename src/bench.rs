@@ -100,6 +100,7 @@ pub(crate) async fn start_server(
         kubeconfig: dir.join("kubeconfig"),
         auth: Default::default(),
         serving: None,
+        serving_reload: None,
         serving_names: Vec::new(),
     })
     .await?;

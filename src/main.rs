@@ -19,7 +19,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use reports_server_apiserver::http::ApiOptions;
 use reports_server_apiserver::pki::CertPair;
-use reports_server_apiserver::startup::{self, AuthMode, ServerConfig};
+use reports_server_apiserver::startup::{self, AuthMode, ServerConfig, ServingReload};
 use reports_server_apiserver::store::StoreOptions;
 
 #[derive(Parser)]
@@ -207,6 +207,14 @@ struct ServeArgs {
         requires = "tls_cert_file"
     )]
     tls_private_key_file: Option<PathBuf>,
+    /// Seconds between checks of --tls-cert-file/--tls-private-key-file for a renewed
+    /// certificate, which new connections then get without a restart; 0 never re-reads them.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_TLS_RELOAD_INTERVAL_SECONDS",
+        default_value_t = 10
+    )]
+    tls_reload_interval_seconds: u64,
     /// Extra names for the generated serving certificate, comma-separated.
     #[arg(
         long,
@@ -330,6 +338,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         kubeconfig,
         auth,
         serving,
+        serving_reload: match (&args.tls_cert_file, &args.tls_private_key_file) {
+            (Some(cert), Some(key)) if args.tls_reload_interval_seconds > 0 => {
+                Some(ServingReload {
+                    cert_file: cert.clone(),
+                    key_file: key.clone(),
+                    interval: Duration::from_secs(args.tls_reload_interval_seconds),
+                })
+            }
+            _ => None,
+        },
         serving_names: args.serving_cert_names.clone(),
     };
     let server = startup::start(config)

@@ -96,6 +96,13 @@ struct ToCrdsArgs {
         default_value_t = 1000
     )]
     settle_milliseconds: u64,
+    /// Objects written back to CRD storage at once; writers are refused until all are.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_WRITE_CONCURRENCY",
+        default_value_t = 8
+    )]
+    write_concurrency: usize,
 }
 
 #[derive(Args)]
@@ -184,6 +191,7 @@ async fn to_crds(args: ToCrdsArgs) -> anyhow::Result<()> {
         dry_run: c.dry_run,
         switch_timeout: Duration::from_secs(c.switch_timeout_seconds),
         settle: Duration::from_millis(args.settle_milliseconds),
+        write_concurrency: args.write_concurrency,
     };
     let progress = Progress::default();
     let bar = tokio::spawn(show_progress(progress.clone()));

@@ -8,6 +8,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder;
 use rustls::RootCertStore;
 use rustls::server::WebPkiClientVerifier;
+use rustls::sign::CertifiedKey;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::TcpListener;
@@ -33,20 +34,121 @@ pub enum ClientAuth {
     Verifier(Arc<dyn rustls::server::danger::ClientCertVerifier>),
 }
 
-/// Builds the rustls configuration: our serving certificate, and client certificates verified
-/// when presented (never required, so probes and token clients work). ALPN offers h2 and
-/// HTTP/1.1.
-pub fn tls_config(
-    cert_pem: &str,
-    key_pem: &str,
-    client_auth: ClientAuth,
-) -> Result<rustls::ServerConfig, ServeError> {
+/// The serving certificate, replaceable while the server runs: a renewed certificate (a
+/// Secret the kubelet updates in place, cert-manager, the operator's renewal) is picked up by
+/// new TLS handshakes without a restart; connections already open keep theirs.
+#[derive(Debug)]
+pub struct ServingCert {
+    current: std::sync::RwLock<Arc<CertifiedKey>>,
+}
+
+impl ServingCert {
+    pub fn new(cert_pem: &str, key_pem: &str) -> Result<Arc<Self>, ServeError> {
+        Ok(Arc::new(ServingCert {
+            current: std::sync::RwLock::new(Arc::new(certified_key(cert_pem, key_pem)?)),
+        }))
+    }
+
+    /// Replaces the certificate; on invalid material the current one stays.
+    pub fn replace(&self, cert_pem: &str, key_pem: &str) -> Result<(), ServeError> {
+        let key = certified_key(cert_pem, key_pem)?;
+        *self.current.write().expect("not poisoned") = Arc::new(key);
+        Ok(())
+    }
+
+    /// The DER of the current leaf certificate.
+    pub fn leaf(&self) -> CertificateDer<'static> {
+        self.current.read().expect("not poisoned").cert[0].clone()
+    }
+
+    /// Re-reads `cert_file` and `key_file` every `interval` and replaces the certificate when
+    /// either changed, until `shutdown`. A pair that does not load (the two files are updated
+    /// one after the other, or are being written) is retried at the next tick; the certificate
+    /// in use stays until a valid pair is read.
+    pub async fn reload_from_files(
+        self: Arc<Self>,
+        cert_file: std::path::PathBuf,
+        key_file: std::path::PathBuf,
+        interval: std::time::Duration,
+        shutdown: CancellationToken,
+    ) {
+        let read = || {
+            Some((
+                std::fs::read_to_string(&cert_file).ok()?,
+                std::fs::read_to_string(&key_file).ok()?,
+            ))
+        };
+        let mut loaded = read();
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+            let Some(now) = read() else {
+                if !failing {
+                    tracing::warn!(cert = %cert_file.display(), key = %key_file.display(), "cannot read the serving certificate files; keeping the current certificate");
+                }
+                failing = true;
+                continue;
+            };
+            if loaded.as_ref() == Some(&now) {
+                continue;
+            }
+            match self.replace(&now.0, &now.1) {
+                Ok(()) => {
+                    tracing::info!(cert = %cert_file.display(), "serving certificate reloaded");
+                    loaded = Some(now);
+                    failing = false;
+                }
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(error = %e, cert = %cert_file.display(), "the changed serving certificate does not load; keeping the current one until it does");
+                    }
+                    failing = true;
+                }
+            }
+        }
+    }
+}
+
+impl rustls::server::ResolvesServerCert for ServingCert {
+    fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current.read().expect("not poisoned").clone())
+    }
+}
+
+fn certified_key(cert_pem: &str, key_pem: &str) -> Result<CertifiedKey, ServeError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
         .collect::<Result<_, _>>()
         .map_err(|e| ServeError::Tls(format!("serving certificate: {e}")))?;
+    if certs.is_empty() {
+        return Err(ServeError::Tls(
+            "serving certificate: no PEM certificate".into(),
+        ));
+    }
     let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
         .map_err(|e| ServeError::Tls(format!("serving key: {e}")))?;
+    let signing = rustls::crypto::ring::sign::any_supported_type(&key)
+        .map_err(|e| ServeError::Tls(format!("serving key: {e}")))?;
+    let certified = CertifiedKey::new(certs, signing);
+    certified.keys_match().map_err(|e| {
+        ServeError::Tls(format!(
+            "the serving key does not belong to the certificate: {e}"
+        ))
+    })?;
+    Ok(certified)
+}
+
+/// Builds the rustls configuration: our serving certificate, and client certificates verified
+/// when presented (never required, so probes and token clients work). ALPN offers h2 and
+/// HTTP/1.1.
+pub fn tls_config(
+    serving: Arc<ServingCert>,
+    client_auth: ClientAuth,
+) -> Result<rustls::ServerConfig, ServeError> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let verifier: Arc<dyn rustls::server::danger::ClientCertVerifier> = match client_auth {
         ClientAuth::Verifier(v) => v,
         ClientAuth::Roots(pems) => {
@@ -67,8 +169,7 @@ pub fn tls_config(
     };
     let mut config = rustls::ServerConfig::builder()
         .with_client_cert_verifier(verifier)
-        .with_single_cert(certs, key)
-        .map_err(|e| ServeError::Tls(e.to_string()))?;
+        .with_cert_resolver(serving);
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)
 }
@@ -146,5 +247,67 @@ pub async fn serve(
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pki::{issue_serving, new_ca};
+
+    fn leaf_of(pem: &str) -> CertificateDer<'static> {
+        CertificateDer::pem_slice_iter(pem.as_bytes())
+            .next()
+            .unwrap()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_renewed_certificate_on_disk_replaces_the_served_one() {
+        let ca = new_ca("test-ca").unwrap();
+        let first = issue_serving(&ca, &["first.example".into()]).unwrap();
+        let second = issue_serving(&ca, &["second.example".into()]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (cert_file, key_file) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        std::fs::write(&cert_file, &first.cert_pem).unwrap();
+        std::fs::write(&key_file, &first.key_pem).unwrap();
+        let serving = ServingCert::new(&first.cert_pem, &first.key_pem).unwrap();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(serving.clone().reload_from_files(
+            cert_file.clone(),
+            key_file.clone(),
+            std::time::Duration::from_millis(10),
+            stop.clone(),
+        ));
+        let wait_for = |want: CertificateDer<'static>| {
+            let serving = serving.clone();
+            async move {
+                for _ in 0..300 {
+                    if serving.leaf() == want {
+                        return true;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                false
+            }
+        };
+        // A certificate whose key has not been written yet does not load: the old pair stays.
+        std::fs::write(&cert_file, &second.cert_pem).unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert_eq!(serving.leaf(), leaf_of(&first.cert_pem), "mismatched pair");
+        std::fs::write(&key_file, &second.key_pem).unwrap();
+        assert!(wait_for(leaf_of(&second.cert_pem)).await, "renewed pair");
+        // Garbage is ignored; the next valid pair is picked up.
+        std::fs::write(&key_file, "not a key").unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert_eq!(serving.leaf(), leaf_of(&second.cert_pem), "garbage key");
+        std::fs::write(&cert_file, &first.cert_pem).unwrap();
+        std::fs::write(&key_file, &first.key_pem).unwrap();
+        assert!(
+            wait_for(leaf_of(&first.cert_pem)).await,
+            "back to the first pair"
+        );
+        stop.cancel();
+        task.await.unwrap();
     }
 }

@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
@@ -53,6 +54,8 @@ pub struct ServerConfig {
     pub auth: AuthMode,
     /// A serving certificate and key (PEM) to use instead of generating one.
     pub serving: Option<CertPair>,
+    /// Where `serving` was read from, re-read every interval for a renewed certificate.
+    pub serving_reload: Option<ServingReload>,
     /// Extra names the generated serving certificate covers (e.g. `<service>.<namespace>.svc`).
     pub serving_names: Vec<String>,
 }
@@ -102,6 +105,14 @@ impl RunningServer {
     }
 }
 
+/// Files the serving certificate is reloaded from (see [`server::ServingCert`]).
+#[derive(Clone, Debug)]
+pub struct ServingReload {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    pub interval: Duration,
+}
+
 /// Starts the server: PKI, database (migrated), listener, and in standalone mode the kubeconfig.
 pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
     let mut extra_names = vec![config.bind.ip().to_string()];
@@ -118,10 +129,20 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
         .map_err(|e| server::ServeError::Bind(config.bind, e))?;
     let metrics = Metrics::new();
     let draining = CancellationToken::new();
+    let shutdown = CancellationToken::new();
+    let serving_cert = server::ServingCert::new(&serving.cert_pem, &serving.key_pem)?;
+    if let Some(reload) = &config.serving_reload {
+        tokio::spawn(serving_cert.clone().reload_from_files(
+            reload.cert_file.clone(),
+            reload.key_file.clone(),
+            reload.interval,
+            shutdown.clone(),
+        ));
+    }
     let (state, tls) = match &config.auth {
         AuthMode::Standalone => {
             let client_auth = ClientAuth::Roots(vec![pki.ca.cert_pem.clone()]);
-            let tls = server::tls_config(&serving.cert_pem, &serving.key_pem, client_auth)?;
+            let tls = server::tls_config(serving_cert.clone(), client_auth)?;
             let state = AppState {
                 registry: Registry::new(store.clone(), None),
                 store: store.clone(),
@@ -136,7 +157,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
         AuthMode::Delegated(client) => {
             let (authenticator, verifier) = DelegatedAuthenticator::start(client.clone()).await?;
             let client_auth = ClientAuth::Verifier(Arc::new(verifier));
-            let tls = server::tls_config(&serving.cert_pem, &serving.key_pem, client_auth)?;
+            let tls = server::tls_config(serving_cert.clone(), client_auth)?;
             let admission: Arc<dyn Admission> = NamespaceLifecycle::start(client.clone()).await;
             let state = AppState {
                 registry: Registry::new(store.clone(), Some(admission)),
@@ -150,7 +171,6 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
             (state, tls)
         }
     };
-    let shutdown = CancellationToken::new();
     let task = tokio::spawn(server::serve(
         listener,
         tls,

@@ -851,6 +851,9 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         };
     }
     Controller::new(rs_api, watcher::Config::default().any_semantic())
+        // The generated CA, serving certificate and database password: one deleted by hand
+        // is recreated at once (and a renewed certificate reaches the pods, which reload it).
+        .owns(owned_api!(Secret), managed.clone())
         .owns(owned_api!(Service), managed.clone())
         .owns(owned_api!(Deployment), managed.clone())
         .owns(owned_api!(StatefulSet), managed.clone())

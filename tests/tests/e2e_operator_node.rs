@@ -15,7 +15,9 @@
 //!    the pod loses no report;
 //! 3. **postgres.managed** (`postgres-managed.yaml`, 2 replicas on the operator's PostgreSQL
 //!    StatefulSet): as above, then a spec change that rolls the Deployment while a client polls
-//!    `GET /apis/wgpolicyk8s.io/v1alpha2` every 100 ms: no request may fail;
+//!    `GET /apis/wgpolicyk8s.io/v1alpha2` every 100 ms: no request may fail; then a new serving
+//!    certificate (the Secret deleted, the operator issues another) is served by both running
+//!    pods without a restart, again with no failed request;
 //! 4. **postgres.external** (`postgres-external.yaml` against a PostgreSQL with TLS that the test
 //!    runs as "the user's database"): a Secret without the `database` key gives `Degraded=True`
 //!    naming the Secret and the key; adding the key returns to `Ready` with nothing restarted by
@@ -239,6 +241,7 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
         read_reports(&kubectl)? == written,
         "postgres.managed: reports changed across the rolling update"
     );
+    rotate_serving_certificate(&kubectl, &client).await?;
     delete_installation(&kubectl, &rs).await?;
 
     // ---- 4. postgres.external -----------------------------------------------------------------
@@ -299,6 +302,129 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
     );
     delete_installation(&kubectl, &rs).await?;
     Ok(())
+}
+
+/// A new serving certificate reaches the running pods without a restart and without a failed
+/// request: the serving Secret is deleted (as a renewal rewrites it), the operator issues a new
+/// one at once (it watches its Secrets), the kubelet updates the pods' volume, and each server
+/// reloads the files (`serve --tls-reload-interval-seconds`).
+async fn rotate_serving_certificate(kubectl: &Kubectl, client: &kube::Client) -> Result<()> {
+    let fingerprint_of_secret = || -> Result<String> {
+        let b64 = kubectl.run(&[
+            "get",
+            "secret",
+            "-n",
+            NS,
+            "reports-server-tls",
+            "-o",
+            "jsonpath={.data.tls\\.crt}",
+        ])?;
+        let pem = base64::engine::general_purpose::STANDARD.decode(b64.trim())?;
+        fingerprint(&String::from_utf8(pem)?)
+    };
+    let before = fingerprint_of_secret()?;
+    let server_pods = pods(kubectl, SERVER_PODS)?;
+    let ips: Vec<String> = server_pods
+        .iter()
+        .map(|p| kubectl.run(&["get", "pod", "-n", NS, p, "-o", "jsonpath={.status.podIP}"]))
+        .collect::<Result<_>>()?;
+    for ip in &ips {
+        ensure!(
+            served_fingerprint(ip)? == before,
+            "pod {ip} does not serve the certificate of Secret reports-server-tls"
+        );
+    }
+    let poller = ApiPoller::start(client.clone(), "/apis/wgpolicyk8s.io/v1alpha2", POLL_EVERY);
+    let t = Instant::now();
+    kubectl.run(&["delete", "secret", "-n", NS, "reports-server-tls"])?;
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let after = loop {
+        if let Ok(f) = fingerprint_of_secret()
+            && f != before
+        {
+            break f;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the operator did not issue a new serving certificate"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let issued_in = t.elapsed();
+    for ip in &ips {
+        loop {
+            if served_fingerprint(ip).ok().as_deref() == Some(after.as_str()) {
+                break;
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "pod {ip} still serves the old certificate {:.0?} after the renewal",
+                t.elapsed()
+            );
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+    let served_in = t.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (ok, errors) = poller.finish().await?;
+    ensure!(
+        pods(kubectl, SERVER_PODS)? == server_pods,
+        "the pods were replaced instead of reloading the certificate"
+    );
+    eprintln!(
+        "[e2e_operator_node] certificate rotation: new serving certificate issued in {issued_in:.1?}, served by both pods (no restart) after {served_in:.1?}; GET every {POLL_EVERY:?}: {ok} ok, {} errors",
+        errors.len()
+    );
+    ensure!(
+        errors.is_empty() && ok > 0,
+        "requests failed during the certificate rotation ({ok} ok):\n{}",
+        errors.join("\n")
+    );
+    Ok(())
+}
+
+/// SHA-256 fingerprint of a PEM certificate (`openssl x509`).
+fn fingerprint(pem: &str) -> Result<String> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("openssl")
+        .args(["x509", "-noout", "-fingerprint", "-sha256"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running openssl (apt-get install -y openssl)")?;
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(pem.as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "openssl x509: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?.trim().to_string())
+}
+
+/// The fingerprint of the certificate a pod serves on its HTTPS port.
+fn served_fingerprint(ip: &str) -> Result<String> {
+    let out = std::process::Command::new("openssl")
+        .args(["s_client", "-connect", &format!("{ip}:6443"), "-showcerts"])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .context("running openssl s_client")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start = text
+        .find("-----BEGIN CERTIFICATE-----")
+        .ok_or_else(|| anyhow!("no certificate from {ip}:6443"))?;
+    let end = text[start..]
+        .find("-----END CERTIFICATE-----")
+        .ok_or_else(|| anyhow!("truncated certificate from {ip}:6443"))?
+        + start
+        + "-----END CERTIFICATE-----".len();
+    fingerprint(&text[start..end])
 }
 
 // ---- checks ---------------------------------------------------------------------------------

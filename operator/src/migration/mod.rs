@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use kube::core::WatchEvent;
 use reports_server_apiserver::registry::{Registry, RegistryError};
 use reports_server_apiserver::store::{ListQuery, StoreError};
@@ -724,6 +724,8 @@ pub struct ToCrdsOptions {
     /// How long the database must stay unchanged after the switch before it is read: writes
     /// that kube-apiserver sent to the server just before the switch land first.
     pub settle: Duration,
+    /// Objects written back to CRD storage at once (the fence stands until all are).
+    pub write_concurrency: usize,
 }
 
 /// Hands every group routed to `options.target` back to CRD storage with the data: CRDs
@@ -859,32 +861,45 @@ pub async fn to_crds(
         })
         .await?;
         progress.update(r.kind, |p| p.total = ours.len() as u64);
-        let mut done = 0u64;
-        for (key, object) in &ours {
-            if object["metadata"]["deletionTimestamp"].is_string() {
+        // One request per object through kube-apiserver, several at once: the fence stands
+        // (writers are refused) until the last one is done.
+        let done = std::sync::atomic::AtomicU64::new(0);
+        futures::stream::iter(ours.iter().filter(|(key, object)| {
+            let deleting = object["metadata"]["deletionTimestamp"].is_string();
+            if deleting {
                 // Being deleted (finalizers pending): CRD storage cannot take it as it is.
                 tracing::warn!(kind = r.kind, object = %key, "not written back: it is being deleted");
-                continue;
             }
-            match plan::handback(object, theirs.get(key)) {
-                plan::Handback::Create => cluster.create(r, &plan::for_create(object)).await?,
-                plan::Handback::Update(version) => {
-                    let mut replacement = plan::for_create(object);
-                    let meta = &theirs[key]["metadata"];
-                    replacement["metadata"]["resourceVersion"] = Value::String(version);
-                    replacement["metadata"]["uid"] = meta["uid"].clone();
-                    cluster.replace(r, &replacement).await?;
+            !deleting
+        }))
+        .map(Ok)
+        .try_for_each_concurrent(options.write_concurrency.max(1), |(key, object)| {
+            let (theirs, done) = (&theirs, &done);
+            async move {
+                match plan::handback(object, theirs.get(key)) {
+                    plan::Handback::Create => cluster.create(r, &plan::for_create(object)).await?,
+                    plan::Handback::Update(version) => {
+                        let mut replacement = plan::for_create(object);
+                        let meta = &theirs[key]["metadata"];
+                        replacement["metadata"]["resourceVersion"] = Value::String(version);
+                        replacement["metadata"]["uid"] = meta["uid"].clone();
+                        cluster.replace(r, &replacement).await?;
+                    }
+                    plan::Handback::Unchanged => {}
                 }
-                plan::Handback::Unchanged => {}
+                let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                progress.update(r.kind, |p| p.copied = n);
+                Ok::<(), MigrationError>(())
             }
-            done += 1;
-            written += 1;
-            progress.update(r.kind, |p| p.copied = done);
-        }
+        })
+        .await?;
+        written += done.into_inner();
         let stale: Vec<&ObjectKey> = theirs.keys().filter(|k| !ours.contains_key(k)).collect();
-        for key in &stale {
-            cluster.delete(r, key).await?;
-        }
+        futures::stream::iter(stale.iter().map(Ok))
+            .try_for_each_concurrent(options.write_concurrency.max(1), |key| {
+                cluster.delete(r, key)
+            })
+            .await?;
         progress.update(r.kind, |p| p.synced = stale.len() as u64);
         // Compare what CRD storage now serves with the database, object by object.
         let now = cluster.list_objects(r, options.page_size).await?;
