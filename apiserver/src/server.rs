@@ -65,10 +65,12 @@ impl ServingCert {
     /// either changed, until `shutdown`. A pair that does not load (the two files are updated
     /// one after the other, or are being written) is retried at the next tick; the certificate
     /// in use stays until a valid pair is read.
+    /// `in_use` is the (certificate, key) PEM the current certificate was built from.
     pub async fn reload_from_files(
         self: Arc<Self>,
         cert_file: std::path::PathBuf,
         key_file: std::path::PathBuf,
+        in_use: (String, String),
         interval: std::time::Duration,
         shutdown: CancellationToken,
     ) {
@@ -78,7 +80,7 @@ impl ServingCert {
                 std::fs::read_to_string(&key_file).ok()?,
             ))
         };
-        let mut loaded = read();
+        let mut loaded = Some(in_use);
         let mut failing = false;
         loop {
             tokio::select! {
@@ -93,6 +95,7 @@ impl ServingCert {
                 continue;
             };
             if loaded.as_ref() == Some(&now) {
+                failing = false;
                 continue;
             }
             match self.replace(&now.0, &now.1) {
@@ -276,6 +279,7 @@ mod tests {
         let task = tokio::spawn(serving.clone().reload_from_files(
             cert_file.clone(),
             key_file.clone(),
+            (first.cert_pem.clone(), first.key_pem.clone()),
             std::time::Duration::from_millis(10),
             stop.clone(),
         ));
@@ -309,5 +313,40 @@ mod tests {
         );
         stop.cancel();
         task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_renewal_written_during_startup_is_picked_up() {
+        let ca = new_ca("test-ca").unwrap();
+        let first = issue_serving(&ca, &["first.example".into()]).unwrap();
+        let second = issue_serving(&ca, &["second.example".into()]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (cert_file, key_file) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        // Read at startup: the first pair; on disk by the time reloading starts: the second.
+        std::fs::write(&cert_file, &second.cert_pem).unwrap();
+        std::fs::write(&key_file, &second.key_pem).unwrap();
+        let serving = ServingCert::new(&first.cert_pem, &first.key_pem).unwrap();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(serving.clone().reload_from_files(
+            cert_file,
+            key_file,
+            (first.cert_pem.clone(), first.key_pem.clone()),
+            std::time::Duration::from_millis(10),
+            stop.clone(),
+        ));
+        let mut picked_up = false;
+        for _ in 0..300 {
+            if serving.leaf() == leaf_of(&second.cert_pem) {
+                picked_up = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        stop.cancel();
+        task.await.unwrap();
+        assert!(
+            picked_up,
+            "the pair on disk replaces the one read at startup"
+        );
     }
 }

@@ -131,14 +131,6 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
     let draining = CancellationToken::new();
     let shutdown = CancellationToken::new();
     let serving_cert = server::ServingCert::new(&serving.cert_pem, &serving.key_pem)?;
-    if let Some(reload) = &config.serving_reload {
-        tokio::spawn(serving_cert.clone().reload_from_files(
-            reload.cert_file.clone(),
-            reload.key_file.clone(),
-            reload.interval,
-            shutdown.clone(),
-        ));
-    }
     let (state, tls) = match &config.auth {
         AuthMode::Standalone => {
             let client_auth = ClientAuth::Roots(vec![pki.ca.cert_pem.clone()]);
@@ -171,6 +163,17 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
             (state, tls)
         }
     };
+    if let Some(reload) = &config.serving_reload {
+        // Compared with what the certificate was built from, not with a later read: a renewal
+        // written while the database connected is picked up at the first tick.
+        tokio::spawn(serving_cert.clone().reload_from_files(
+            reload.cert_file.clone(),
+            reload.key_file.clone(),
+            (serving.cert_pem.clone(), serving.key_pem.clone()),
+            reload.interval,
+            shutdown.clone(),
+        ));
+    }
     let task = tokio::spawn(server::serve(
         listener,
         tls,

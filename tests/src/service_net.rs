@@ -18,7 +18,7 @@
 //! does (see `node.rs`): the test's runtime blocks on synchronous `kubectl` calls.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     net::{Ipv4Addr, SocketAddr},
     path::Path,
     sync::{
@@ -119,6 +119,7 @@ async fn serve(
     let table = Table {
         services,
         slices,
+        targets: Arc::new(Mutex::new(HashMap::new())),
         next: Arc::new(AtomicUsize::new(0)),
     };
     tokio::spawn(serve_dns(
@@ -126,7 +127,7 @@ async fn serve(
         table.clone(),
         suffix,
     ));
-    let bound = Arc::new(Mutex::new(bound));
+    let mut bound = bound;
     let mut applied = watcher(Api::<Service>::all(client), Default::default())
         .default_backoff()
         .reflect(services_writer)
@@ -135,19 +136,30 @@ async fn serve(
     while let Some(event) = applied.next().await {
         let Ok(svc) = event else { continue };
         for (ip, port, port_name) in cluster_ports(&svc) {
-            if !bound.lock().unwrap().insert((ip, port)) {
-                continue;
-            }
+            // Updated on every event: a ClusterIP freed and given to another Service, or a port
+            // renamed, is forwarded to what the API says now.
             let target = Target {
                 namespace: svc.metadata.namespace.clone().unwrap_or_default(),
                 service: svc.metadata.name.clone().unwrap_or_default(),
                 port_name,
             };
-            if let Err(e) = listen(ip, port, target.clone(), table.clone()).await {
-                eprintln!(
+            table
+                .targets
+                .lock()
+                .unwrap()
+                .insert((ip, port), target.clone());
+            if bound.contains(&(ip, port)) {
+                continue;
+            }
+            match listen(ip, port, table.clone()).await {
+                Ok(()) => {
+                    bound.insert((ip, port));
+                }
+                // Tried again at the Service's next event.
+                Err(e) => eprintln!(
                     "[service-net] cannot forward {ip}:{port} of {}/{}: {e:#}",
                     target.namespace, target.service
-                );
+                ),
             }
         }
     }
@@ -185,6 +197,8 @@ struct Target {
 struct Table {
     services: Store<Service>,
     slices: Store<EndpointSlice>,
+    /// The Service port each forwarded `ClusterIP:port` belongs to now.
+    targets: Arc<Mutex<HashMap<(Ipv4Addr, u16), Target>>>,
     next: Arc<AtomicUsize>,
 }
 
@@ -236,6 +250,19 @@ impl Table {
         out
     }
 
+    /// The Service port `ip:port` forwards to, if a Service still has that ClusterIP (one that
+    /// was deleted keeps its listener, which then closes every connection).
+    fn current_target(&self, ip: Ipv4Addr, port: u16) -> Option<Target> {
+        let target = self.targets.lock().unwrap().get(&(ip, port))?.clone();
+        let svc = self
+            .services
+            .get(&ObjectRef::new(&target.service).within(&target.namespace))?;
+        let still_there = cluster_ports(&svc)
+            .into_iter()
+            .any(|(i, p, _)| (i, p) == (ip, port));
+        still_there.then_some(target)
+    }
+
     /// The addresses a cluster DNS name resolves to; `None` for a name that does not exist.
     fn resolve(&self, name: &str, suffix: &str) -> Option<Vec<Ipv4Addr>> {
         let (service, namespace) = name.strip_suffix(suffix)?.split_once('.')?;
@@ -263,7 +290,7 @@ impl Table {
     }
 }
 
-async fn listen(ip: Ipv4Addr, port: u16, target: Target, table: Table) -> Result<()> {
+async fn listen(ip: Ipv4Addr, port: u16, table: Table) -> Result<()> {
     let out = tokio::process::Command::new("ip")
         .args(["addr", "add", &format!("{ip}/32"), "dev", "lo"])
         .output()
@@ -277,8 +304,11 @@ async fn listen(ip: Ipv4Addr, port: u16, target: Target, table: Table) -> Result
     let listener = tokio::net::TcpListener::bind((ip, port)).await?;
     tokio::spawn(async move {
         while let Ok((mut inbound, _)) = listener.accept().await {
-            let (target, table) = (target.clone(), table.clone());
+            let table = table.clone();
             tokio::spawn(async move {
+                let Some(target) = table.current_target(ip, port) else {
+                    return;
+                };
                 let endpoints =
                     table.endpoints(&target.namespace, &target.service, Some(&target.port_name));
                 if endpoints.is_empty() {

@@ -273,13 +273,25 @@ impl Cluster {
             .is_some())
     }
 
-    /// Removes the fence and the probe CRD; missing ones are fine.
-    pub async fn remove_fence(&self) -> Result<(), MigrationError> {
-        let probe_crd = format!(
+    /// Deletes the probe CRD of `to-crds`; a missing one is fine.
+    pub async fn remove_probe_crd(&self) -> Result<(), MigrationError> {
+        let path = format!(
             "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{}.{}",
             plan::PROBE_PLURAL,
             plan::PROBE_GROUP
         );
+        let request = Request::delete(&path)
+            .body(Vec::new())
+            .expect("valid request");
+        match self.client.request::<Value>(request).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+            Err(e) => Err(MigrationError::kube(format!("DELETE {path}"), e)),
+        }
+    }
+
+    /// Removes the fence; a missing fence is fine.
+    pub async fn remove_fence(&self) -> Result<(), MigrationError> {
         for path in [
             format!(
                 "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings/{FENCE_NAME}"
@@ -287,7 +299,6 @@ impl Cluster {
             format!(
                 "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{FENCE_NAME}"
             ),
-            probe_crd,
         ] {
             let request = Request::delete(&path)
                 .body(Vec::new())
@@ -374,8 +385,24 @@ impl Cluster {
         crds: &[Value],
         timeout: std::time::Duration,
     ) -> Result<(), MigrationError> {
+        let deadline = std::time::Instant::now() + timeout;
         for crd in crds {
             let name = crd["metadata"]["name"].as_str().unwrap_or_default();
+            // A CRD still being deleted (an earlier run's probe CRD) would accept the apply and
+            // stay Established while refusing every create: wait until it is gone.
+            let get = format!("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}");
+            while self
+                .get_json(&get)
+                .await?
+                .is_some_and(|c| c["metadata"]["deletionTimestamp"].is_string())
+            {
+                if std::time::Instant::now() > deadline {
+                    return Err(MigrationError::Timeout(format!(
+                        "CRD {name} is still being deleted after {timeout:?}"
+                    )));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
             let path = format!(
                 "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}?fieldManager=reports-server-migration&force=true"
             );
@@ -383,7 +410,6 @@ impl Cluster {
                 .await
                 .map_err(|e| MigrationError::kube(format!("apply CRD {name}"), e))?;
         }
-        let deadline = std::time::Instant::now() + timeout;
         for crd in crds {
             let name = crd["metadata"]["name"].as_str().unwrap_or_default();
             let path = format!("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}");
