@@ -10,6 +10,7 @@ pub mod kyverno;
 pub mod kyverno_fixtures;
 pub mod node;
 pub mod objects;
+pub mod operator;
 pub mod postgres;
 pub mod server;
 pub mod service_net;

@@ -66,7 +66,7 @@ use crate::controlplane::{
     kube_client_for, run_cache_build_script, spawn_tied_to_test, tail_file, workspace_root,
 };
 use crate::postgres::which;
-use crate::service_net::ServiceNet;
+use crate::service_net::{OwnRuntime, ServiceNet, spawn_on_own_runtime};
 
 /// The node's name (and the kubelet's client certificate CN `system:node:<name>`).
 pub const NODE_NAME: &str = "e2e-node";
@@ -581,7 +581,7 @@ pub struct Node {
     cp: Option<ControlPlane>,
     dir: PathBuf,
     procs: Vec<(&'static str, Child)>,
-    forwarder: Option<ForwarderGuard>,
+    forwarder: Option<OwnRuntime>,
     service_net: Option<ServiceNet>,
     containerd_socket: PathBuf,
 }
@@ -1167,10 +1167,10 @@ fn setup_network() -> Result<()> {
 }
 
 /// Forwards `10.0.0.1:443` (the `kubernetes` Service) to kube-apiserver's loopback port, so that
-/// in-cluster clients in pods work without kube-proxy. It runs on a runtime of its own thread:
-/// the test's runtime is blocked for seconds at a time by synchronous `kubectl` calls, and pods
-/// whose API calls stall behind them would fail their readiness (seen as a hung rollout).
-async fn forward_kubernetes_service(cp: &ControlPlane) -> Result<ForwarderGuard> {
+/// in-cluster clients in pods work without kube-proxy. It runs on a runtime of its own thread
+/// ([`spawn_on_own_runtime`]): pods whose API calls stalled behind the test's blocking `kubectl`
+/// calls failed their readiness (seen as a hung rollout).
+async fn forward_kubernetes_service(cp: &ControlPlane) -> Result<OwnRuntime> {
     let target = cp
         .server_url()
         .strip_prefix("https://")
@@ -1179,47 +1179,17 @@ async fn forward_kubernetes_service(cp: &ControlPlane) -> Result<ForwarderGuard>
     let listener = std::net::TcpListener::bind((KUBERNETES_SERVICE_IP, 443))
         .context("binding 10.0.0.1:443 for the kubernetes Service")?;
     listener.set_nonblocking(true)?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    std::thread::Builder::new()
-        .name("kubernetes-service-forwarder".into())
-        .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("forwarder runtime");
-            rt.block_on(async move {
-                let listener =
-                    tokio::net::TcpListener::from_std(listener).expect("forwarder listener");
-                let accept = async {
-                    while let Ok((mut inbound, _)) = listener.accept().await {
-                        let target = target.clone();
-                        tokio::spawn(async move {
-                            if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await
-                            {
-                                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound)
-                                    .await;
-                            }
-                        });
-                    }
-                };
-                tokio::select! {
-                    _ = accept => {}
-                    _ = stop_rx => {}
+    spawn_on_own_runtime("kubernetes-service-forwarder", move || async move {
+        let listener = tokio::net::TcpListener::from_std(listener).expect("forwarder listener");
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let target = target.clone();
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
                 }
             });
-        })?;
-    Ok(ForwarderGuard(Some(stop_tx)))
-}
-
-/// Stops the forwarder thread when dropped.
-struct ForwarderGuard(Option<tokio::sync::oneshot::Sender<()>>);
-
-impl Drop for ForwarderGuard {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
         }
-    }
+    })
 }
 
 fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) {

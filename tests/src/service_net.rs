@@ -14,8 +14,7 @@
 //!   connection by connection, to a ready endpoint of the Service (round robin over the
 //!   EndpointSlices' ready addresses, the port matched by name as kube-proxy does).
 //!
-//! Both run on a runtime of their own thread, for the reason the `kubernetes` Service forwarder
-//! does (see `node.rs`): the test's runtime blocks on synchronous `kubectl` calls.
+//! Both run on a runtime of their own thread ([`spawn_on_own_runtime`]).
 
 use std::{
     collections::{HashMap, HashSet},
@@ -45,17 +44,52 @@ const DNS_TTL_SECONDS: u32 = 5;
 /// How long a forwarded connection waits for an endpoint to accept.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// Stops the DNS server and the forwarders when dropped.
-pub struct ServiceNet {
+/// A future running on a current-thread runtime of its own thread, stopped when dropped. The
+/// harness' network stand-ins run like this because the test's runtime blocks for seconds on
+/// synchronous `kubectl` calls, and pods whose traffic stalled behind them would fail their
+/// probes.
+pub struct OwnRuntime {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
-impl Drop for ServiceNet {
+impl Drop for OwnRuntime {
     fn drop(&mut self) {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
         }
     }
+}
+
+/// Runs the future `make` returns (built inside the new runtime, so it may register sockets)
+/// on a thread named `name` until it ends or the returned guard is dropped.
+pub fn spawn_on_own_runtime<F, Fut>(name: &str, make: F) -> Result<OwnRuntime>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a current-thread runtime");
+            rt.block_on(async move {
+                tokio::select! {
+                    _ = make() => {}
+                    _ = stop_rx => {}
+                }
+            });
+        })?;
+    Ok(OwnRuntime {
+        stop: Some(stop_tx),
+    })
+}
+
+/// Stops the DNS server and the forwarders when dropped.
+pub struct ServiceNet {
+    _runtime: OwnRuntime,
 }
 
 impl ServiceNet {
@@ -74,28 +108,12 @@ impl ServiceNet {
         let kubeconfig = kubeconfig.to_path_buf();
         let suffix = format!(".svc.{cluster_domain}");
         let bound: HashSet<(Ipv4Addr, u16)> = already_served.iter().copied().collect();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        std::thread::Builder::new()
-            .name("service-net".into())
-            .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("service network runtime");
-                rt.block_on(async move {
-                    tokio::select! {
-                        r = serve(&kubeconfig, dns, suffix, bound) => {
-                            if let Err(e) = r {
-                                eprintln!("[service-net] stopped: {e:#}");
-                            }
-                        }
-                        _ = stop_rx => {}
-                    }
-                });
-            })?;
-        Ok(ServiceNet {
-            stop: Some(stop_tx),
-        })
+        let runtime = spawn_on_own_runtime("service-net", move || async move {
+            if let Err(e) = serve(&kubeconfig, dns, suffix, bound).await {
+                eprintln!("[service-net] stopped: {e:#}");
+            }
+        })?;
+        Ok(ServiceNet { _runtime: runtime })
     }
 }
 

@@ -33,12 +33,11 @@ use reports_server_tests::{
     },
     delegated::{self, API_SERVICES, Server},
     kubectl::Kubectl,
+    operator::{NS, condition, manifest, rs_json, yaml_docs},
     server,
 };
-use serde::Deserialize as _;
 use serde_json::{Value, json};
 
-const NS: &str = "reports-server";
 const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Builds (or finds cached) one of the tools of `tests/tools/build.sh` (`helm`, `kstatus`,
@@ -47,20 +46,6 @@ async fn tool(name: &str) -> Result<PathBuf> {
     let path = run_cache_build_script(&format!("tests/tools/{name}.sh"), name).await?;
     ensure!(path.is_file(), "{} was not built", path.display());
     Ok(path)
-}
-
-fn manifest(path: &str) -> Result<String> {
-    let p = workspace_root().join("manifests").join(path);
-    std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
-}
-
-fn yaml_docs(text: &str) -> Result<Vec<Value>> {
-    Ok(serde_yaml::Deserializer::from_str(text)
-        .map(Value::deserialize)
-        .collect::<Result<Vec<_>, _>>()?
-        .into_iter()
-        .filter(|d| !d.is_null())
-        .collect())
 }
 
 /// `kubectl apply --dry-run=server` of a YAML stream; the error says which rendering failed.
@@ -73,18 +58,6 @@ fn dry_run(admin: &Kubectl, what: &str, yaml: &str) -> Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(())
-}
-
-async fn rs_json(admin: &Kubectl) -> Result<Value> {
-    let text = admin.run(&["get", "rsrv", "-n", NS, "reports-server", "-o", "json"])?;
-    Ok(serde_json::from_str(&text)?)
-}
-
-fn condition<'a>(rs: &'a Value, type_: &str) -> Option<&'a Value> {
-    rs["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_)
 }
 
 /// Runs a tool of `tests/tools/` with `obj` as JSON on stdin and returns its one JSON line.
@@ -245,7 +218,7 @@ async fn e2e_operator_external_mode() -> Result<()> {
     );
     let t_apply = Instant::now();
     let rs = loop {
-        let rs = rs_json(&admin).await?;
+        let rs = rs_json(&admin)?;
         let ready = condition(&rs, "Ready").is_some_and(|c| c["status"] == "True");
         if ready && rs["status"]["observedGeneration"] == rs["metadata"]["generation"] {
             break rs;

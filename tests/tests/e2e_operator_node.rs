@@ -39,11 +39,10 @@ use reports_server_tests::{
     kube_client_with_retries,
     kubectl::Kubectl,
     node::{self, ApiPoller, Node, POSTGRES_IMAGE, REPORTS_SERVER_IMAGE, RunDir},
+    operator::{NS, condition, manifest, rs_json, yaml_docs},
 };
-use serde::Deserialize as _;
 use serde_json::{Value, json};
 
-const NS: &str = "reports-server";
 /// Where the test's reports live.
 const REPORTS_NS: &str = "default";
 const READY_TIMEOUT: Duration = Duration::from_secs(240);
@@ -593,18 +592,6 @@ fn subset_differences(want: &Value, live: &Value, at: &str, out: &mut Vec<String
 
 // ---- the ReportsServer and its objects ------------------------------------------------------
 
-fn rs_json(kubectl: &Kubectl) -> Result<Value> {
-    let text = kubectl.run(&["get", "rsrv", "-n", NS, "reports-server", "-o", "json"])?;
-    Ok(serde_json::from_str(&text)?)
-}
-
-fn condition<'a>(rs: &'a Value, type_: &str) -> Option<&'a Value> {
-    rs["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_)
-}
-
 fn is_ready(rs: &Value) -> bool {
     condition(rs, "Ready").is_some_and(|c| c["status"] == "True")
         && rs["status"]["observedGeneration"] == rs["metadata"]["generation"]
@@ -898,17 +885,3 @@ async fn retry_read(kubectl: &Kubectl) -> Result<BTreeMap<String, String>> {
 }
 
 // ---- files ------------------------------------------------------------------------------------
-
-fn manifest(path: &str) -> Result<String> {
-    let p = workspace_root().join("manifests").join(path);
-    std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
-}
-
-fn yaml_docs(text: &str) -> Result<Vec<Value>> {
-    Ok(serde_yaml::Deserializer::from_str(text)
-        .map(Value::deserialize)
-        .collect::<Result<Vec<_>, _>>()?
-        .into_iter()
-        .filter(|d| !d.is_null())
-        .collect())
-}

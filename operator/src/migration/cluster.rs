@@ -275,39 +275,24 @@ impl Cluster {
 
     /// Deletes the probe CRD of `to-crds`; a missing one is fine.
     pub async fn remove_probe_crd(&self) -> Result<(), MigrationError> {
-        let path = format!(
+        self.delete_path(&format!(
             "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{}.{}",
             plan::PROBE_PLURAL,
             plan::PROBE_GROUP
-        );
-        let request = Request::delete(&path)
-            .body(Vec::new())
-            .expect("valid request");
-        match self.client.request::<Value>(request).await {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-            Err(e) => Err(MigrationError::kube(format!("DELETE {path}"), e)),
-        }
+        ))
+        .await
     }
 
     /// Removes the fence; a missing fence is fine.
     pub async fn remove_fence(&self) -> Result<(), MigrationError> {
-        for path in [
-            format!(
-                "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings/{FENCE_NAME}"
-            ),
-            format!(
-                "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{FENCE_NAME}"
-            ),
+        for plural in [
+            "validatingadmissionpolicybindings",
+            "validatingadmissionpolicies",
         ] {
-            let request = Request::delete(&path)
-                .body(Vec::new())
-                .expect("valid request");
-            match self.client.request::<Value>(request).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 404 => {}
-                Err(e) => return Err(MigrationError::kube(format!("DELETE {path}"), e)),
-            }
+            self.delete_path(&format!(
+                "/apis/admissionregistration.k8s.io/v1/{plural}/{FENCE_NAME}"
+            ))
+            .await?;
         }
         Ok(())
     }
@@ -520,8 +505,12 @@ impl Cluster {
         r: &ResourceDescriptor,
         key: &ObjectKey,
     ) -> Result<(), MigrationError> {
-        let path = object_path(r, key);
-        let request = Request::delete(&path)
+        self.delete_path(&object_path(r, key)).await
+    }
+
+    /// `DELETE path`; a missing object is fine.
+    async fn delete_path(&self, path: &str) -> Result<(), MigrationError> {
+        let request = Request::delete(path)
             .body(Vec::new())
             .expect("valid request");
         match self.client.request::<Value>(request).await {

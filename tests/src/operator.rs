@@ -1,0 +1,41 @@
+//! Helpers of the operator's end-to-end tests (`e2e_operator`, `e2e_operator_node`): the
+//! repository's manifests as files and documents, and the ReportsServer they install.
+
+use anyhow::{Context, Result};
+use serde::Deserialize as _;
+use serde_json::Value;
+
+use crate::{controlplane::workspace_root, kubectl::Kubectl};
+
+/// The namespace `manifests/install.yaml` and the examples use.
+pub const NS: &str = "reports-server";
+
+/// A file under `manifests/`.
+pub fn manifest(path: &str) -> Result<String> {
+    let p = workspace_root().join("manifests").join(path);
+    std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
+}
+
+/// The documents of a YAML stream, empty ones dropped.
+pub fn yaml_docs(text: &str) -> Result<Vec<Value>> {
+    Ok(serde_yaml::Deserializer::from_str(text)
+        .map(Value::deserialize)
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .filter(|d| !d.is_null())
+        .collect())
+}
+
+/// The ReportsServer `reports-server` of [`NS`] as JSON.
+pub fn rs_json(kubectl: &Kubectl) -> Result<Value> {
+    let text = kubectl.run(&["get", "rsrv", "-n", NS, "reports-server", "-o", "json"])?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// A status condition of a ReportsServer by type.
+pub fn condition<'a>(rs: &'a Value, type_: &str) -> Option<&'a Value> {
+    rs["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+}
