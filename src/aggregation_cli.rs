@@ -132,6 +132,7 @@ impl AggregationArgs {
         &self,
         server: &RunningServer,
         cluster: Option<&kube::Client>,
+        settled: Option<tokio::sync::watch::Receiver<bool>>,
     ) -> Option<tokio::task::JoinHandle<()>> {
         if !self.enabled {
             tracing::info!("in-process aggregation disabled");
@@ -160,13 +161,43 @@ impl AggregationArgs {
             policy_sync_timeout: self.cluster_rules.policy_sync_timeout,
             metrics: server.metrics.register(ClusterMetrics::register),
         });
-        Some(tokio::spawn(run_in_process(
-            server.store.clone(),
-            config,
-            metrics,
-            cluster,
-            server.shutdown_token(),
-        )))
+        let (store, shutdown) = (server.store.clone(), server.shutdown_token());
+        let Some(mut settled) = settled else {
+            return Some(tokio::spawn(run_in_process(
+                store, config, metrics, cluster, shutdown,
+            )));
+        };
+        // While a migration moves data the aggregator must not touch the database: it would
+        // merge copied ephemeral reports that etcd still owns, or change what is being written
+        // back. It runs only while the migration worker says nothing moves.
+        Some(tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    r = settled.wait_for(|s| *s) => if r.is_err() { return },
+                }
+                tracing::info!("no migration moving data: in-process aggregation starts");
+                let term = shutdown.child_token();
+                let running = tokio::spawn(run_in_process(
+                    store.clone(),
+                    config.clone(),
+                    metrics.clone(),
+                    cluster.clone(),
+                    term.clone(),
+                ));
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    r = settled.wait_for(|s| !*s) => if r.is_ok() {
+                        tracing::info!("a migration moves data: in-process aggregation pauses");
+                    },
+                }
+                term.cancel();
+                let _ = running.await;
+                if shutdown.is_cancelled() {
+                    return;
+                }
+            }
+        }))
     }
 }
 

@@ -140,6 +140,8 @@ struct ServeArgs {
     database: DatabaseArgs,
     #[command(flatten)]
     aggregation: aggregation_cli::AggregationArgs,
+    #[command(flatten)]
+    migration: migrate_cli::ServeMigrationArgs,
     /// Address to listen on.
     #[arg(long, env = "REPORTS_SERVER_BIND_ADDRESS", default_value = "127.0.0.1")]
     bind_address: IpAddr,
@@ -369,7 +371,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             server.kubeconfig.display()
         );
     }
-    let aggregation = args.aggregation.spawn(&server, cluster.as_ref());
+    let migration = args.migration.worker(
+        cluster.as_ref(),
+        reports_server_apiserver::registry::Registry::new(server.store.clone(), None),
+    )?;
+    let settled = migration.as_ref().map(|w| w.settled());
+    let migration = migration.map(|w| tokio::spawn(w.run(server.shutdown_token())));
+    let aggregation = args.aggregation.spawn(&server, cluster.as_ref(), settled);
     let token = server.shutdown_token();
     let draining = server.draining_token();
     let delay = Duration::from_secs(args.shutdown_delay_seconds);
@@ -394,6 +402,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(aggregation) = aggregation {
         // Releases the aggregation lease at once so another replica takes over without waiting.
         let _ = aggregation.await;
+    }
+    if let Some(migration) = migration {
+        let _ = migration.await;
     }
     Ok(())
 }

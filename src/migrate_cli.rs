@@ -11,8 +11,10 @@ use clap::{Args, Subcommand};
 use reports_server_apiserver::registry::Registry;
 use reports_server_apiserver::store::Store;
 use reports_server_operator::migration::{
-    self, MigrationReport, Progress, ToCrdsOptions, ToDatabaseOptions, cluster::Cluster,
+    self, MigrationReport, Progress, ToCrdsOptions, ToDatabaseOptions,
+    cluster::Cluster,
     plan::ServiceTarget,
+    worker::{Worker, WorkerOptions},
 };
 
 use crate::DatabaseArgs;
@@ -122,6 +124,156 @@ struct ToDatabaseArgs {
     rate: f64,
 }
 
+/// `serve --migrate-from-crds …`: the migration as the server's background worker (how the
+/// operator's `spec.migration` runs; docs/migration.md "With the operator").
+#[derive(Args, Clone)]
+pub struct ServeMigrationArgs {
+    /// Move report groups whose APIService is still Local (CRD storage) into the database and
+    /// switch them to this server; hand switched groups that are no longer wanted back. Needs
+    /// --auth-mode=delegated. In-process aggregation waits while data moves.
+    #[arg(long, env = "REPORTS_SERVER_MIGRATE_FROM_CRDS")]
+    migrate_from_crds: bool,
+    /// `namespace/name` of the ConfigMap through which an operator says which groups to serve
+    /// (key `groups`) and the server reports progress [default: none; --migration-groups].
+    #[arg(long, env = "REPORTS_SERVER_MIGRATION_MAILBOX")]
+    migration_mailbox: Option<String>,
+    /// API groups to serve when no mailbox says otherwise, comma-separated.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_GROUPS",
+        value_delimiter = ',',
+        default_value = "wgpolicyk8s.io,reports.kyverno.io,openreports.io"
+    )]
+    migration_groups: Vec<String>,
+    /// Namespace of the Service in front of this server (the switched APIServices point at it).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_SERVICE_NAMESPACE",
+        default_value = "reports-server"
+    )]
+    migration_service_namespace: String,
+    /// Name of that Service.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_SERVICE_NAME",
+        default_value = "reports-server"
+    )]
+    migration_service_name: String,
+    /// Port of that Service.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_SERVICE_PORT",
+        default_value_t = 443
+    )]
+    migration_service_port: i32,
+    /// PEM file of the CA of this server's certificate (the switched APIServices' `caBundle`).
+    #[arg(long, env = "REPORTS_SERVER_MIGRATION_CA_BUNDLE_FILE")]
+    migration_ca_bundle_file: Option<PathBuf>,
+    /// Objects per second the copy writes at most (0: no limit).
+    #[arg(long, env = "REPORTS_SERVER_MIGRATION_RATE", default_value_t = 0.0)]
+    migration_rate: f64,
+    /// Objects per list page and per database transaction.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_PAGE_SIZE",
+        default_value_t = 500
+    )]
+    migration_page_size: u32,
+    /// Objects written back to CRD storage at once during a hand-back.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_WRITE_CONCURRENCY",
+        default_value_t = 8
+    )]
+    migration_write_concurrency: usize,
+    /// Seconds the fence may take to hold and kube-apiserver to route a switched group.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_SWITCH_TIMEOUT_SECONDS",
+        default_value_t = 120
+    )]
+    migration_switch_timeout_seconds: u64,
+    /// Seconds between checks of the cluster when nothing moves (and after a failed step).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MIGRATION_INTERVAL_SECONDS",
+        default_value_t = 5
+    )]
+    migration_interval_seconds: u64,
+}
+
+impl ServeMigrationArgs {
+    /// The worker, when asked for. `client` is the cluster of delegated mode.
+    pub fn worker(
+        &self,
+        client: Option<&kube::Client>,
+        registry: Registry,
+    ) -> anyhow::Result<Option<Worker>> {
+        if !self.migrate_from_crds {
+            return Ok(None);
+        }
+        let client = client
+            .context("--migrate-from-crds needs the cluster: run with --auth-mode=delegated")?;
+        let ca_file = self.migration_ca_bundle_file.as_ref().context(
+            "--migrate-from-crds needs --migration-ca-bundle-file (the CA of this server's certificate)",
+        )?;
+        let ca_bundle_pem = read_ca_bundle(ca_file)?;
+        anyhow::ensure!(
+            self.migration_page_size > 0,
+            "--migration-page-size must be at least 1"
+        );
+        let target = ServiceTarget {
+            namespace: self.migration_service_namespace.clone(),
+            name: self.migration_service_name.clone(),
+            port: self.migration_service_port,
+            ca_bundle_pem,
+        };
+        let switch_timeout = Duration::from_secs(self.migration_switch_timeout_seconds);
+        let options = WorkerOptions {
+            to_database: ToDatabaseOptions {
+                target: target.clone(),
+                page_size: self.migration_page_size,
+                rate: (self.migration_rate > 0.0).then_some(self.migration_rate),
+                dry_run: false,
+                switch_timeout,
+                groups: self.migration_groups.clone(),
+            },
+            to_crds: ToCrdsOptions {
+                target,
+                crds: all_crds()?,
+                page_size: self.migration_page_size,
+                dry_run: false,
+                switch_timeout,
+                settle: Duration::from_secs(1),
+                write_concurrency: self.migration_write_concurrency,
+                groups: Vec::new(),
+            },
+            mailbox: self.migration_mailbox.clone(),
+            interval: Duration::from_secs(self.migration_interval_seconds.max(1)),
+            lease: Default::default(),
+        };
+        Ok(Some(Worker::new(client.clone(), registry, options)?))
+    }
+}
+
+fn read_ca_bundle(path: &std::path::Path) -> anyhow::Result<String> {
+    let pem = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the CA bundle file {}", path.display()))?;
+    anyhow::ensure!(
+        pem.contains("BEGIN CERTIFICATE"),
+        "the CA bundle file {} holds no PEM certificate",
+        path.display()
+    );
+    Ok(pem)
+}
+
+fn all_crds() -> anyhow::Result<Vec<serde_json::Value>> {
+    Ok(reports_server_crds::crd::all_crds()
+        .into_iter()
+        .map(serde_json::to_value)
+        .collect::<Result<Vec<_>, _>>()?)
+}
+
 pub async fn run(args: MigrateArgs) -> anyhow::Result<()> {
     match args.command {
         None => schema(args.database).await,
@@ -140,17 +292,7 @@ async fn schema(db: DatabaseArgs) -> anyhow::Result<()> {
 }
 
 async fn to_database(args: ToDatabaseArgs) -> anyhow::Result<()> {
-    let ca_bundle_pem = std::fs::read_to_string(&args.ca_bundle_file).with_context(|| {
-        format!(
-            "cannot read --ca-bundle-file {}",
-            args.ca_bundle_file.display()
-        )
-    })?;
-    anyhow::ensure!(
-        ca_bundle_pem.contains("BEGIN CERTIFICATE"),
-        "--ca-bundle-file {} holds no PEM certificate",
-        args.ca_bundle_file.display()
-    );
+    let ca_bundle_pem = read_ca_bundle(&args.ca_bundle_file)?;
     let (cluster, registry) = connect(&args.cluster, &args.database).await?;
     let c = args.cluster;
     let options = ToDatabaseOptions {
@@ -164,6 +306,7 @@ async fn to_database(args: ToDatabaseArgs) -> anyhow::Result<()> {
         rate: (args.rate > 0.0).then_some(args.rate),
         dry_run: c.dry_run,
         switch_timeout: Duration::from_secs(c.switch_timeout_seconds),
+        groups: Vec::new(),
     };
     let progress = Progress::default();
     let bar = tokio::spawn(show_progress(progress.clone()));
@@ -175,10 +318,7 @@ async fn to_database(args: ToDatabaseArgs) -> anyhow::Result<()> {
 async fn to_crds(args: ToCrdsArgs) -> anyhow::Result<()> {
     let (cluster, registry) = connect(&args.cluster, &args.database).await?;
     let c = args.cluster;
-    let crds = reports_server_crds::crd::all_crds()
-        .into_iter()
-        .map(serde_json::to_value)
-        .collect::<Result<Vec<_>, _>>()?;
+    let crds = all_crds()?;
     let options = ToCrdsOptions {
         target: ServiceTarget {
             namespace: c.service_namespace,
@@ -192,6 +332,7 @@ async fn to_crds(args: ToCrdsArgs) -> anyhow::Result<()> {
         switch_timeout: Duration::from_secs(c.switch_timeout_seconds),
         settle: Duration::from_millis(args.settle_milliseconds),
         write_concurrency: args.write_concurrency,
+        groups: Vec::new(),
     };
     let progress = Progress::default();
     let bar = tokio::spawn(show_progress(progress.clone()));

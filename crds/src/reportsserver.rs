@@ -104,6 +104,37 @@ pub struct ReportsServerSpec {
     /// an ExternalName Service.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub external: Option<ExternalSpec>,
+    /// Moving reports that are in etcd-backed CRDs into the database, and back.
+    pub migration: MigrationSpec,
+}
+
+/// Migration of reports between etcd-backed CRDs and the server (docs/migration.md).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct MigrationSpec {
+    /// A group whose APIService is still Local (served from CRDs, e.g. by a running Kyverno) is
+    /// copied into the database, verified and then switched to the server, with no report lost
+    /// (writes during the switch are refused for a few seconds and retried by their clients).
+    /// Off: such a group is left alone unless `apiServices.takeOver` is set (which drops the
+    /// reports in etcd from view).
+    pub enabled: bool,
+    /// Objects per second the copy writes at most; 0 for no limit.
+    #[schemars(range(min = 0))]
+    pub rate: i32,
+    /// On deletion of the ReportsServer (and when a group is turned off), hand the groups back
+    /// to CRD storage with every report written back first. Off: the APIServices are deleted
+    /// and the reports stay only in the database.
+    pub hand_back_on_delete: bool,
+}
+
+impl Default for MigrationSpec {
+    fn default() -> Self {
+        MigrationSpec {
+            enabled: true,
+            rate: 0,
+            hand_back_on_delete: true,
+        }
+    }
 }
 
 /// Database choice. At most one of `sqlite` and `postgres` may be set; none means `sqlite`.
@@ -361,6 +392,7 @@ impl Default for ReportsServerSpec {
             tls: TlsSpec::default(),
             api_services: ApiServicesSpec::default(),
             external: None,
+            migration: MigrationSpec::default(),
         }
     }
 }
@@ -424,17 +456,59 @@ pub struct GroupStatus {
     pub taken_over: bool,
 }
 
-/// Progress of a migration of etcd-backed reports.
+/// Progress of a migration of etcd-backed reports, as the server's migration worker reports
+/// it.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", default)]
 pub struct MigrationStatus {
-    /// Phase name.
+    /// `Complete`, `Copying`, `Fencing`, `Verifying`, `Switching`, `HandingBack`,
+    /// `WritingBack` or `Failed` (retried).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub phase: String,
-    /// Reports copied so far.
+    /// Reports copied (or written back) so far, all kinds.
     pub copied: i64,
-    /// Reports to copy.
+    /// Reports to copy (or write back), all kinds.
     pub total: i64,
+    /// Per kind.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kinds: Vec<KindMigrationStatus>,
+    /// Why the last step failed (it is retried).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// `Copied`, `Verified`, `Switched` while moving into the database; `HandedBack` while
+    /// handing back. `lastTransitionTime` moves only when a status flips.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Figures of the last finished step: objects per second, seconds writes were refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_run: Option<MigrationRunStatus>,
+}
+
+/// Progress of one kind.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct KindMigrationStatus {
+    pub kind: String,
+    /// Objects in the source when it was listed.
+    pub total: i64,
+    /// Objects copied (or written back).
+    pub copied: i64,
+    /// Changes mirrored from the source after its list.
+    pub mirrored: i64,
+    /// Objects fixed by the final sync behind the fence.
+    pub synced: i64,
+}
+
+/// Figures of a finished migration step.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct MigrationRunStatus {
+    /// Objects copied per second (string: a decimal).
+    pub objects_per_second: String,
+    /// Seconds writes to the report groups were refused.
+    pub fence_seconds: String,
+    /// Seconds from the first APIService patch to the routing confirmed.
+    pub switch_seconds: String,
 }
 
 impl ReportsServerSpec {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
-use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
@@ -38,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::desired::{self, Database, Inputs, Tls};
 use crate::http::Metrics;
+use crate::migration::mailbox::Report;
 use crate::status::{self, Outcome};
 use crate::{FIELD_MANAGER, FINALIZER, MANAGED_BY, OWNER_ANNOTATION, tls};
 
@@ -52,6 +53,23 @@ pub enum Error {
     Tls(#[from] tls::TlsError),
     #[error("{0} has no namespace")]
     NoNamespace(String),
+    /// Not a failure: deletion waits for the server to hand the report groups back.
+    #[error("waiting: {0}")]
+    HandBackPending(String),
+}
+
+impl Error {
+    /// Whether this is the hand-back wait (requeued at the progress interval, no backoff).
+    fn is_hand_back_pending(&self) -> bool {
+        match self {
+            Error::HandBackPending(_) => true,
+            Error::Finalizer(e) => matches!(
+                &**e,
+                kube::runtime::finalizer::Error::CleanupFailed(Error::HandBackPending(_))
+            ),
+            _ => false,
+        }
+    }
 }
 
 /// Operator settings (the binary maps flags and environment onto it).
@@ -134,6 +152,7 @@ fn api_resource(obj: &Value) -> ApiResource {
         "Service" => "services",
         "ServiceAccount" => "serviceaccounts",
         "Secret" => "secrets",
+        "ConfigMap" => "configmaps",
         "Deployment" => "deployments",
         "StatefulSet" => "statefulsets",
         "PodDisruptionBudget" => "poddisruptionbudgets",
@@ -492,7 +511,9 @@ pub async fn reconcile(rs: Arc<ReportsServer>, ctx: Arc<Context>) -> Result<Acti
     })
     .await
     .map_err(|e| Error::Finalizer(Box::new(e)));
-    ctx.metrics.observe(started.elapsed(), result.is_ok());
+    let waiting = result.as_ref().is_err_and(Error::is_hand_back_pending);
+    ctx.metrics
+        .observe(started.elapsed(), result.is_ok() || waiting);
     if result.is_ok() {
         ctx.failures.lock().expect("not poisoned").remove(&key);
     }
@@ -501,6 +522,10 @@ pub async fn reconcile(rs: Arc<ReportsServer>, ctx: Arc<Context>) -> Result<Acti
 
 /// Backoff after a failed reconcile: 1 s, 2 s, 4 s, ... up to `max_backoff`.
 pub fn error_policy(rs: Arc<ReportsServer>, error: &Error, ctx: Arc<Context>) -> Action {
+    if error.is_hand_back_pending() {
+        tracing::info!(name = %rs.name_any(), "{error}");
+        return Action::requeue(ctx.config.progress_requeue);
+    }
     let key = ObjectRef::from_obj(&*rs);
     let n = {
         let mut f = ctx.failures.lock().expect("not poisoned");
@@ -564,6 +589,7 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
         // APIServices that exist and are not ours: left alone unless takeover is asked for.
         let apiservices: Api<APIService> = Api::all(ctx.client.clone());
         let mut foreign = Vec::new();
+        let mut migrating = Vec::new();
         let mut groups = Vec::new();
         for (version, group) in rs.spec.enabled_groups() {
             let name = format!("{version}.{group}");
@@ -578,7 +604,26 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
             if let Some(existing) = get_opt(&apiservices, &name).await?
                 && !is_ours(&existing, rs)
             {
-                if rs.spec.api_services.take_over {
+                if rs.spec.migration.enabled && routes_to_us(&existing, rs) {
+                    // Switched by the server's migration worker: ours from now on.
+                    ctx.event(
+                        rs,
+                        EventType::Normal,
+                        "APIServiceMigrated",
+                        format!("APIService {name} was switched to the server after its reports were moved into the database"),
+                    )
+                    .await;
+                } else if rs.spec.migration.enabled
+                    && describe_target(&existing).starts_with("Local")
+                {
+                    // Left alone until the server's migration worker has moved the reports and
+                    // switched it (then it routes to us and is adopted above).
+                    gs.reason = "Migrating".into();
+                    gs.message = format!(
+                        "reports of {group} in CRD storage are being moved into the database; the server switches APIService {name} when they are"
+                    );
+                    migrating.push(name.clone());
+                } else if rs.spec.api_services.take_over {
                     gs.taken_over = true;
                     ctx.event(
                         rs,
@@ -608,7 +653,7 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
             tls,
             external_ca_pem,
             default_image: &ctx.config.default_image,
-            foreign_api_services: foreign.clone(),
+            foreign_api_services: foreign.iter().chain(&migrating).cloned().collect(),
         };
         let want = desired::desired(&inputs);
         let mut workload_ready = database == Database::External;
@@ -650,11 +695,7 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
         }
         // Groups turned off: remove our APIService (kube-apiserver re-creates a Local one if a
         // CRD for the group exists).
-        for (version, group) in [
-            ("v1alpha2", "wgpolicyk8s.io"),
-            ("v1", "reports.kyverno.io"),
-            ("v1alpha1", "openreports.io"),
-        ] {
+        for (version, group) in ALL_GROUPS {
             if rs.spec.enabled_groups().contains(&(version, group)) {
                 continue;
             }
@@ -662,6 +703,16 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
             if let Some(existing) = get_opt(&apiservices, &name).await?
                 && is_ours(&existing, rs)
             {
+                if hands_back(rs) {
+                    // The server's worker hands the group back with its reports (the mailbox no
+                    // longer lists it); once Local it is released here.
+                    if describe_target(&existing).starts_with("Local") {
+                        release_apiservice(&apiservices, &name).await?;
+                    } else {
+                        migrating.push(name.clone());
+                    }
+                    continue;
+                }
                 apiservices.delete(&name, &DeleteParams::default()).await?;
                 ctx.event(
                     rs,
@@ -672,7 +723,20 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
                 .await;
             }
         }
-        let all_available = groups.iter().all(|g| g.available);
+        if rs.spec.migration.enabled {
+            let wanted: Vec<String> = rs
+                .spec
+                .enabled_groups()
+                .into_iter()
+                .map(|(_, g)| g.to_string())
+                .collect();
+            status.migration =
+                migration_status(ctx, rs, previous.migration.as_ref(), &wanted).await?;
+        }
+        let all_available = groups
+            .iter()
+            .filter(|g| !migrating.contains(&g.api_service))
+            .all(|g| g.available);
         if database == Database::External && all_available {
             ready_replicas = 1;
         }
@@ -690,6 +754,28 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
                 ),
             );
         }
+        if !migrating.is_empty() {
+            let m = status.migration.clone().unwrap_or_default();
+            break 'outcome Outcome::progressing(
+                "Migrating",
+                format!(
+                    "moving the reports of {} between CRD storage and the database: {}, {} of {} copied{}",
+                    migrating.join(", "),
+                    if m.phase.is_empty() {
+                        "waiting for the server"
+                    } else {
+                        &m.phase
+                    },
+                    m.copied,
+                    m.total,
+                    if m.message.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; last error (retried): {}", m.message)
+                    }
+                ),
+            );
+        }
         if !workload_ready {
             break 'outcome Outcome::progressing(
                 "WaitingForPods",
@@ -699,7 +785,11 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
                 ),
             );
         }
-        if let Some(g) = status.groups.iter().find(|g| !g.available) {
+        if let Some(g) = status
+            .groups
+            .iter()
+            .find(|g| !g.available && !migrating.contains(&g.api_service))
+        {
             break 'outcome Outcome::progressing(
                 "WaitingForAPIService",
                 format!(
@@ -761,15 +851,150 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
     })
 }
 
-/// Deletion: APIServices first, then what ownerReferences cannot reach.
+/// Whether switched groups go back to CRD storage with their reports (on deletion, or when a
+/// group is turned off) rather than being deleted.
+fn hands_back(rs: &ReportsServer) -> bool {
+    rs.spec.migration.enabled && rs.spec.migration.hand_back_on_delete
+}
+
+/// Whether an APIService routes to this installation's Service.
+fn routes_to_us(api: &APIService, rs: &ReportsServer) -> bool {
+    api.spec
+        .as_ref()
+        .and_then(|s| s.service.as_ref())
+        .is_some_and(|svc| {
+            svc.namespace == rs.namespace()
+                && svc.name.as_deref() == Some(&desired::service_name(rs))
+        })
+}
+
+/// A handed-back APIService is kube-apiserver's again: our owner annotation and labels go, so
+/// neither the finalizer nor a later ReportsServer of the same name mistakes it for its own.
+async fn release_apiservice(apiservices: &Api<APIService>, name: &str) -> Result<(), kube::Error> {
+    let patch = json!({"metadata": {
+        "annotations": {OWNER_ANNOTATION: null},
+        "labels": {"app.kubernetes.io/instance": null, "app.kubernetes.io/managed-by": null},
+    }});
+    apiservices
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
+}
+
+/// `status.migration` from the server's report in the mailbox (`None` before any report).
+async fn migration_status(
+    ctx: &Context,
+    rs: &ReportsServer,
+    previous: Option<&reports_server_crds::reportsserver::MigrationStatus>,
+    wanted: &[String],
+) -> Result<Option<reports_server_crds::reportsserver::MigrationStatus>, kube::Error> {
+    let configmaps: Api<ConfigMap> =
+        Api::namespaced(ctx.client.clone(), &rs.namespace().unwrap_or_default());
+    let Some(cm) = get_opt(&configmaps, &desired::migration_mailbox_name(rs)).await? else {
+        return Ok(previous.cloned());
+    };
+    let report = Report::from_data(&cm.data.unwrap_or_default());
+    if report.phase.is_none() {
+        return Ok(previous.cloned());
+    }
+    Ok(Some(status::migration_status(
+        previous,
+        &report,
+        wanted,
+        rs.metadata.generation,
+        Time(k8s_openapi::jiff::Timestamp::now()),
+    )))
+}
+
+/// Deletion with `spec.migration.handBackOnDelete`: the mailbox asks the server to serve no
+/// group, and deletion waits (status shows the progress) until the server has written every
+/// report back into CRD storage and given the APIServices back.
+async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
+    let ns = rs.namespace().unwrap_or_default();
+    let apiservices: Api<APIService> = Api::all(ctx.client.clone());
+    let mut routed = Vec::new();
+    for (version, group) in ALL_GROUPS {
+        let name = format!("{version}.{group}");
+        if let Some(existing) = get_opt(&apiservices, &name).await?
+            && routes_to_us(&existing, rs)
+        {
+            routed.push(name);
+        }
+    }
+    apply(&ctx.client, &desired::migration_mailbox(rs, &[])).await?;
+    let previous = rs.status.clone().unwrap_or_default();
+    let migration = migration_status(ctx, rs, previous.migration.as_ref(), &[]).await?;
+    let answered = migration.as_ref().is_some_and(|m| m.phase == "Complete")
+        && migration
+            .as_ref()
+            .and_then(|m| status::find(&m.conditions, status::migration_condition::HANDED_BACK))
+            .is_some_and(|c| c.status == "True");
+    if migration != previous.migration {
+        let api: Api<ReportsServer> = Api::namespaced(ctx.client.clone(), &ns);
+        api.patch_status(
+            &rs.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"migration": migration}})),
+        )
+        .await?;
+    }
+    if !routed.is_empty() || !answered {
+        let m = migration.unwrap_or_default();
+        return Err(Error::HandBackPending(format!(
+            "the server hands {} back to CRD storage before the ReportsServer is deleted ({}, {} of {} written back{}); to delete without handing back, set spec.migration.handBackOnDelete: false",
+            if routed.is_empty() {
+                "the report groups".to_string()
+            } else {
+                routed.join(", ")
+            },
+            if m.phase.is_empty() {
+                "waiting for the server"
+            } else {
+                &m.phase
+            },
+            m.copied,
+            m.total,
+            if m.message.is_empty() {
+                String::new()
+            } else {
+                format!("; last error (retried): {}", m.message)
+            },
+        )));
+    }
+    for (version, group) in ALL_GROUPS {
+        let name = format!("{version}.{group}");
+        if let Some(existing) = get_opt(&apiservices, &name).await?
+            && is_ours(&existing, rs)
+            && describe_target(&existing).starts_with("Local")
+        {
+            release_apiservice(&apiservices, &name).await?;
+        }
+    }
+    ctx.event(
+        rs,
+        EventType::Normal,
+        "HandedBack",
+        "every report was written back to CRD storage and the APIServices were given back to kube-apiserver".into(),
+    )
+    .await;
+    Ok(())
+}
+
+const ALL_GROUPS: [(&str, &str); 3] = [
+    ("v1alpha2", "wgpolicyk8s.io"),
+    ("v1", "reports.kyverno.io"),
+    ("v1alpha1", "openreports.io"),
+];
+
+/// Deletion: the hand-back when asked for, then APIServices, then what ownerReferences cannot
+/// reach.
 async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action, Error> {
+    if hands_back(rs) {
+        hand_back(rs, ctx).await?;
+    }
     let apiservices: Api<APIService> = Api::all(ctx.client.clone());
     let mut removed = Vec::new();
-    for (version, group) in [
-        ("v1alpha2", "wgpolicyk8s.io"),
-        ("v1", "reports.kyverno.io"),
-        ("v1alpha1", "openreports.io"),
-    ] {
+    for (version, group) in ALL_GROUPS {
         let name = format!("{version}.{group}");
         if let Some(existing) = get_opt(&apiservices, &name).await?
             && is_ours(&existing, rs)

@@ -251,6 +251,15 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
     let rs = inputs.rs;
     let mut d = Desired::default();
     let svc = service_name(rs);
+    if rs.spec.migration.enabled {
+        let groups: Vec<&str> = rs
+            .spec
+            .enabled_groups()
+            .into_iter()
+            .map(|(_, g)| g)
+            .collect();
+        d.owned.push(migration_mailbox(rs, &groups));
+    }
     match &inputs.database {
         Database::External => {
             let ext = rs.spec.external.clone().unwrap_or_default();
@@ -342,12 +351,7 @@ fn api_services(inputs: &Inputs<'_>, svc: &str, port: i32, ca_pem: &str) -> Vec<
 fn server_rbac(rs: &ReportsServer) -> Vec<Value> {
     let cluster = cluster_name(rs);
     let subject = json!([{"kind": "ServiceAccount", "name": name_of(rs), "namespace": ns_of(rs)}]);
-    vec![
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": unowned_meta(rs, &cluster, None),
-            "rules": [
+    let mut rules: Vec<Value> = serde_json::from_value(json!([
                 {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
                 {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
                 {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
@@ -356,7 +360,16 @@ fn server_rbac(rs: &ReportsServer) -> Vec<Value> {
                 // Kyverno also reports on ValidatingAdmissionPolicies and MutatingAdmissionPolicies.
                 {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingadmissionpolicies", "mutatingadmissionpolicies"], "verbs": ["get", "list", "watch"]},
                 {"apiGroups": ["*"], "resources": ["*"], "verbs": ["get"]},
-            ],
+            ])).expect("rules are a list");
+    if rs.spec.migration.enabled {
+        rules.extend(migration_rules(rs));
+    }
+    vec![
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": unowned_meta(rs, &cluster, None),
+            "rules": rules,
         }),
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -379,6 +392,24 @@ fn server_rbac(rs: &ReportsServer) -> Vec<Value> {
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "extension-apiserver-authentication-reader"},
             "subjects": subject,
         }),
+    ]
+}
+
+/// What the server's migration worker does through kube-apiserver: read and write the reports
+/// in CRD storage (copy, mirror, write-back), install the CRDs for a hand-back, fence the CRD
+/// storage with a ValidatingAdmissionPolicy, switch the APIServices, and report in its mailbox.
+fn migration_rules(rs: &ReportsServer) -> Vec<Value> {
+    let all = json!([
+        "get", "list", "watch", "create", "update", "patch", "delete"
+    ]);
+    vec![
+        json!({"apiGroups": ["wgpolicyk8s.io", "reports.kyverno.io", "openreports.io"], "resources": ["*"], "verbs": all}),
+        json!({"apiGroups": ["migration.reportsserver.io"], "resources": ["fenceprobes"], "verbs": ["create"]}),
+        json!({"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": all}),
+        json!({"apiGroups": ["apiregistration.k8s.io"], "resources": ["apiservices"], "verbs": ["get", "list", "watch", "patch", "update"]}),
+        json!({"apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingadmissionpolicies", "validatingadmissionpolicybindings"], "verbs": ["get", "create", "update", "patch", "delete"]}),
+        json!({"apiGroups": ["authentication.k8s.io"], "resources": ["selfsubjectreviews"], "verbs": ["create"]}),
+        json!({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [migration_mailbox_name(rs)], "verbs": ["get", "patch"]}),
     ]
 }
 
@@ -507,7 +538,8 @@ fn database_env(rs: &ReportsServer, db: &Database) -> (Vec<Value>, Vec<Value>, V
 }
 
 /// `reports-server serve` arguments for the spec.
-pub fn server_args(spec: &ReportsServerSpec, db: &Database) -> Vec<String> {
+pub fn server_args(rs: &ReportsServer, db: &Database) -> Vec<String> {
+    let spec = &rs.spec;
     let a = &spec.aggregation;
     let mut args: Vec<String> = vec![
         "serve".into(),
@@ -535,8 +567,44 @@ pub fn server_args(spec: &ReportsServerSpec, db: &Database) -> Vec<String> {
         args.push(format!("--chunk-size={}", a.chunk_size));
         args.push(format!("--aggregation-workers={}", a.workers));
     }
+    if spec.migration.enabled {
+        // The server's migration worker converges on the mailbox's `groups`; the flags say
+        // where the switched APIServices point and what to do without a mailbox.
+        let groups: Vec<&str> = spec.enabled_groups().into_iter().map(|(_, g)| g).collect();
+        args.extend([
+            "--migrate-from-crds".to_string(),
+            format!(
+                "--migration-mailbox={}/{}",
+                ns_of(rs),
+                migration_mailbox_name(rs)
+            ),
+            format!("--migration-groups={}", groups.join(",")),
+            format!("--migration-service-namespace={}", ns_of(rs)),
+            format!("--migration-service-name={}", service_name(rs)),
+            format!("--migration-ca-bundle-file={TLS_DIR}/ca.crt"),
+        ]);
+        if spec.migration.rate > 0 {
+            args.push(format!("--migration-rate={}", spec.migration.rate));
+        }
+    }
     args.extend(spec.extra_args.iter().cloned());
     args
+}
+
+/// Name of the ConfigMap through which the operator tells the server's migration worker which
+/// groups to serve, and the worker reports progress (`migration::mailbox`).
+pub fn migration_mailbox_name(rs: &ReportsServer) -> String {
+    format!("{}-migration", name_of(rs))
+}
+
+/// The mailbox with the groups the server should serve (`groups`; the worker writes the rest).
+pub fn migration_mailbox(rs: &ReportsServer, groups: &[&str]) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": owned_meta(rs, &migration_mailbox_name(rs)),
+        "data": {"groups": groups.join(",")},
+    })
 }
 
 fn workload(rs: &ReportsServer, db: &Database, tls: &Tls, default_image: &str) -> Value {
@@ -557,7 +625,7 @@ fn workload(rs: &ReportsServer, db: &Database, tls: &Tls, default_image: &str) -
         "name": "reports-server",
         "image": spec.image.clone().unwrap_or_else(|| default_image.to_owned()),
         "imagePullPolicy": spec.image_pull_policy.clone().unwrap_or_else(|| "IfNotPresent".into()),
-        "args": server_args(spec, db),
+        "args": server_args(rs, db),
         "ports": [{"name": "https", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         // /livez answers while the database is down (the process is fine); /readyz does not, so
         // a pod that cannot reach the database leaves the Service instead of being killed.

@@ -42,7 +42,7 @@ pub fn operator_rules() -> Value {
         {"apiGroups": ["reportsserver.io"], "resources": ["reportsservers"], "verbs": ["get", "list", "watch", "patch", "update"]},
         {"apiGroups": ["reportsserver.io"], "resources": ["reportsservers/status"], "verbs": ["get", "patch", "update"]},
         {"apiGroups": ["reportsserver.io"], "resources": ["reportsservers/finalizers"], "verbs": ["update"]},
-        {"apiGroups": [""], "resources": ["services", "serviceaccounts", "secrets"], "verbs": all_verbs()},
+        {"apiGroups": [""], "resources": ["services", "serviceaccounts", "secrets", "configmaps"], "verbs": all_verbs()},
         {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": all_verbs()},
         {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": all_verbs()},
         {"apiGroups": ["apiregistration.k8s.io"], "resources": ["apiservices"], "verbs": all_verbs()},

@@ -8,6 +8,12 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use reports_server_crds::reportsserver::condition::{DEGRADED, READY, RECONCILING, STALLED};
+use reports_server_crds::reportsserver::{
+    KindMigrationStatus, MigrationRunStatus, MigrationStatus,
+};
+
+use crate::migration::Phase;
+use crate::migration::mailbox::Report;
 
 /// What one reconcile concluded.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,14 +102,109 @@ pub fn conditions(
         cond(STALLED, stalled.0, stalled.1, &stalled.2, generation, &now),
         cond(DEGRADED, stalled.0, stalled.1, &stalled.2, generation, &now),
     ];
-    for c in &mut out {
+    keep_transition_times(previous, &mut out);
+    out
+}
+
+/// Keeps each condition's `lastTransitionTime` from `previous` unless its status flipped.
+fn keep_transition_times(previous: &[Condition], conditions: &mut [Condition]) {
+    for c in conditions {
         if let Some(old) = previous.iter().find(|p| p.type_ == c.type_)
             && old.status == c.status
         {
             c.last_transition_time = old.last_transition_time.clone();
         }
     }
-    out
+}
+
+/// Condition types of `status.migration`.
+pub mod migration_condition {
+    pub const COPIED: &str = "Copied";
+    pub const VERIFIED: &str = "Verified";
+    pub const SWITCHED: &str = "Switched";
+    pub const HANDED_BACK: &str = "HandedBack";
+}
+
+/// `status.migration` from the worker's report in the mailbox. `wanted` is what the mailbox
+/// asks for; a report about another request counts as not yet answered.
+pub fn migration_status(
+    previous: Option<&MigrationStatus>,
+    report: &Report,
+    wanted: &[String],
+    generation: Option<i64>,
+    now: Time,
+) -> MigrationStatus {
+    use migration_condition::*;
+    let answered = report.settled_for(wanted);
+    let phase = match report.phase {
+        Some(Phase::Complete) if !answered => Phase::Switching,
+        Some(p) => p,
+        None => Phase::Copying,
+    };
+    let before: &[Condition] = previous.map(|p| &p.conditions[..]).unwrap_or(&[]);
+    let was = |t: &str| find(before, t).map(|c| c.status == "True");
+    let handing_back = matches!(phase, Phase::HandingBack | Phase::WritingBack)
+        || (phase == Phase::Fencing && was(HANDED_BACK).is_some());
+    let mut conditions = Vec::new();
+    let mk = |t: &str, ok: bool, reason: &str| cond(t, ok, reason, "", generation, &now);
+    if phase == Phase::Failed {
+        // The statuses stay as they were; the message says why and the worker retries.
+        conditions = before.to_vec();
+    } else if handing_back || wanted.is_empty() {
+        conditions.push(mk(HANDED_BACK, answered && !handing_back, phase.as_str()));
+    } else {
+        let step = |p: Phase| match p {
+            Phase::Copying => 0,
+            Phase::Fencing | Phase::Verifying => 1,
+            Phase::Switching => 2,
+            _ => 3,
+        };
+        let at = if answered { 3 } else { step(phase) };
+        conditions.push(mk(COPIED, at >= 1, phase.as_str()));
+        conditions.push(mk(VERIFIED, at >= 2, phase.as_str()));
+        conditions.push(mk(SWITCHED, at >= 3, phase.as_str()));
+    }
+    keep_transition_times(before, &mut conditions);
+    let kinds: Vec<KindMigrationStatus> = report
+        .kinds
+        .iter()
+        .map(|k| KindMigrationStatus {
+            kind: k.kind.clone(),
+            total: k.total as i64,
+            copied: k.copied as i64,
+            mirrored: k.mirrored as i64,
+            synced: k.synced as i64,
+        })
+        .collect();
+    let last_run = report
+        .last_run
+        .as_ref()
+        .map(|r| {
+            let f = |k: &str| format!("{:.1}", r[k].as_f64().unwrap_or(0.0));
+            MigrationRunStatus {
+                objects_per_second: f("copyObjectsPerSecond"),
+                fence_seconds: f("fenceSeconds"),
+                switch_seconds: f("switchSeconds"),
+            }
+        })
+        .or_else(|| previous.and_then(|p| p.last_run.clone()));
+    MigrationStatus {
+        phase: if answered {
+            "Complete".into()
+        } else {
+            phase.as_str().into()
+        },
+        copied: kinds.iter().map(|k| k.copied).sum(),
+        total: kinds.iter().map(|k| k.total).sum(),
+        kinds: if answered && report.kinds.is_empty() {
+            previous.map(|p| p.kinds.clone()).unwrap_or_default()
+        } else {
+            kinds
+        },
+        message: report.message.clone(),
+        conditions,
+        last_run,
+    }
 }
 
 /// The condition of `type_` in `conditions`, if any.
@@ -148,6 +249,101 @@ mod tests {
             t(300)
         );
         assert_eq!(find(&third, STALLED).unwrap().last_transition_time, t(100));
+    }
+
+    #[test]
+    fn migration_conditions_follow_the_phases_and_keep_their_times() {
+        use migration_condition::*;
+        let wanted = vec!["wgpolicyk8s.io".to_string()];
+        let report = |phase, observed: &[String]| Report {
+            observed_groups: Some(observed.to_vec()),
+            phase: Some(phase),
+            ..Default::default()
+        };
+        let status_of =
+            |s: &MigrationStatus, t: &str| find(&s.conditions, t).unwrap().status.clone();
+        let copying = migration_status(
+            None,
+            &report(Phase::Copying, &wanted),
+            &wanted,
+            Some(1),
+            t(10),
+        );
+        assert_eq!(copying.phase, "Copying");
+        assert_eq!(status_of(&copying, COPIED), "False");
+        let fencing = migration_status(
+            Some(&copying),
+            &report(Phase::Verifying, &wanted),
+            &wanted,
+            Some(1),
+            t(20),
+        );
+        assert_eq!(status_of(&fencing, COPIED), "True");
+        assert_eq!(status_of(&fencing, VERIFIED), "False");
+        assert_eq!(
+            find(&fencing.conditions, COPIED)
+                .unwrap()
+                .last_transition_time,
+            t(20)
+        );
+        assert_eq!(
+            find(&fencing.conditions, SWITCHED)
+                .unwrap()
+                .last_transition_time,
+            t(10)
+        );
+        // A Complete answering an older request is not complete.
+        let stale = migration_status(
+            Some(&fencing),
+            &report(Phase::Complete, &[]),
+            &wanted,
+            Some(1),
+            t(30),
+        );
+        assert_eq!(stale.phase, "Switching");
+        assert_eq!(status_of(&stale, SWITCHED), "False");
+        let done = migration_status(
+            Some(&stale),
+            &report(Phase::Complete, &wanted),
+            &wanted,
+            Some(1),
+            t(40),
+        );
+        assert_eq!(done.phase, "Complete");
+        for c in [COPIED, VERIFIED, SWITCHED] {
+            assert_eq!(status_of(&done, c), "True");
+        }
+        // A failure keeps the statuses and says why.
+        let failed = migration_status(
+            Some(&fencing),
+            &Report {
+                message: "boom".into(),
+                ..report(Phase::Failed, &wanted)
+            },
+            &wanted,
+            Some(1),
+            t(50),
+        );
+        assert_eq!(failed.conditions, fencing.conditions);
+        assert_eq!(failed.message, "boom");
+        // Hand-back: HandedBack False while writing back, True once the worker answers "".
+        let back = migration_status(
+            Some(&done),
+            &report(Phase::WritingBack, &[]),
+            &[],
+            Some(2),
+            t(60),
+        );
+        assert_eq!(status_of(&back, HANDED_BACK), "False");
+        let back_done = migration_status(
+            Some(&back),
+            &report(Phase::Complete, &[]),
+            &[],
+            Some(2),
+            t(70),
+        );
+        assert_eq!(status_of(&back_done, HANDED_BACK), "True");
+        assert_eq!(back_done.phase, "Complete");
     }
 
     #[test]

@@ -107,6 +107,16 @@ fn handle(state: &Shared, method: &str, uri: &http::Uri, body: Vec<u8>) -> (u16,
                 Some("APIService") => {
                     o["status"] = json!({"conditions": [{"type": "Available", "status": "True", "reason": "Passed", "message": "all checks passed", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
                 }
+                Some("ConfigMap") => {
+                    // Keys another field manager wrote (the server's migration worker) stay.
+                    let mut data = s
+                        .objects
+                        .get(&path)
+                        .map(|p| p["data"].clone())
+                        .unwrap_or(json!({}));
+                    json_patch::merge(&mut data, &o["data"]);
+                    o["data"] = data;
+                }
                 Some("Deployment") | Some("StatefulSet") => {
                     let n = o["spec"]["replicas"].as_i64().unwrap_or(1);
                     o["status"] = json!({"observedGeneration": prev_gen + 1, "readyReplicas": n, "updatedReplicas": n, "replicas": n});
@@ -115,6 +125,14 @@ fn handle(state: &Shared, method: &str, uri: &http::Uri, body: Vec<u8>) -> (u16,
             }
             s.objects.insert(path, o.clone());
             (200, o)
+        }
+        "PATCH" if body.is_object() => {
+            // A JSON merge patch.
+            let Some(o) = s.objects.get_mut(&path) else {
+                return not_found(&path);
+            };
+            json_patch::merge(o, &body);
+            (200, o.clone())
         }
         "PATCH" => {
             let Some(o) = s.objects.get_mut(&path) else {
@@ -208,10 +226,21 @@ impl Fixture {
     }
 
     async fn reconcile(&self) -> kube::runtime::controller::Action {
+        self.try_reconcile().await.expect("reconcile succeeds")
+    }
+
+    async fn try_reconcile(&self) -> Result<kube::runtime::controller::Action, controller::Error> {
         let rs: ReportsServer = serde_json::from_value(self.get(RS_PATH).unwrap()).unwrap();
-        controller::reconcile(Arc::new(rs), self.ctx.clone())
-            .await
-            .expect("reconcile succeeds")
+        controller::reconcile(Arc::new(rs), self.ctx.clone()).await
+    }
+
+    /// What the server's migration worker writes into the mailbox.
+    fn worker_reports(&self, fields: Value) {
+        let mut cm = self
+            .get(MAILBOX_PATH)
+            .expect("the operator created the mailbox");
+        json_patch::merge(&mut cm["data"], &fields);
+        self.put(MAILBOX_PATH, cm);
     }
 
     fn condition(&self, type_: &str) -> Value {
@@ -222,6 +251,8 @@ impl Fixture {
             .unwrap_or(Value::Null)
     }
 }
+
+const MAILBOX_PATH: &str = "/api/v1/namespaces/reports-server/configmaps/reports-server-migration";
 
 const CA: &str = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n";
 
@@ -332,6 +363,8 @@ async fn spec_change_updates_objects_removes_a_turned_off_group_and_observes_the
     let mut spec2 = spec;
     spec2["external"]["port"] = json!(7443);
     spec2["groups"] = json!({"openreports": false});
+    // Without the hand-back a turned-off group's APIService is deleted at once.
+    spec2["migration"] = json!({"handBackOnDelete": false});
     f.put_rs(spec2, 2);
     f.reconcile().await;
     let calls = f.calls();
@@ -437,7 +470,8 @@ async fn apiservice_of_someone_else_is_left_alone_unless_takeover_is_asked() {
         "metadata": {"name": "v1.reports.kyverno.io", "labels": {"kube-aggregator.kubernetes.io/automanaged": "true"}},
         "spec": {"group": "reports.kyverno.io", "version": "v1", "groupPriorityMinimum": 1000, "versionPriority": 15}});
     f.put(&apiservice_path("v1.reports.kyverno.io"), foreign.clone());
-    let spec = json!({"external": {"host": "localhost", "port": 6443, "caBundle": CA}});
+    // With the migration off (on, the group is migrated: see below).
+    let spec = json!({"external": {"host": "localhost", "port": 6443, "caBundle": CA}, "migration": {"enabled": false}});
     f.put_rs(spec.clone(), 1);
     f.reconcile().await;
     let applied_paths = applied(&f.calls());
@@ -502,7 +536,7 @@ async fn apiservice_of_someone_else_is_left_alone_unless_takeover_is_asked() {
 #[tokio::test]
 async fn deletion_removes_apiservices_first_then_cluster_objects_and_nothing_else() {
     let f = Fixture::new();
-    f.put_rs(json!({}), 1);
+    f.put_rs(json!({"migration": {"handBackOnDelete": false}}), 1);
     f.reconcile().await;
     // Someone else's APIService and ClusterRole that must survive.
     let other = json!({"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService", "metadata": {"name": "v1beta1.metrics.k8s.io"}});
@@ -538,4 +572,173 @@ async fn deletion_removes_apiservices_first_then_cluster_objects_and_nothing_els
         .get("/apis/apps/v1/namespaces/reports-server/statefulsets/reports-server")
         .unwrap();
     assert_eq!(sts["metadata"]["ownerReferences"][0]["uid"], "uid-1");
+}
+
+fn local_apiservice(name: &str) -> Value {
+    let (version, group) = name.split_once('.').unwrap();
+    json!({"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+        "metadata": {"name": name, "labels": {"kube-aggregator.kubernetes.io/automanaged": "true"}},
+        "spec": {"group": group, "version": version, "groupPriorityMinimum": 1000, "versionPriority": 15}})
+}
+
+#[tokio::test]
+async fn a_local_group_is_left_to_the_migration_and_adopted_once_switched() {
+    let f = Fixture::new();
+    let name = "v1.reports.kyverno.io";
+    f.put(&apiservice_path(name), local_apiservice(name));
+    f.put_rs(
+        json!({"external": {"host": "localhost", "port": 6443, "caBundle": CA}}),
+        1,
+    );
+    f.reconcile().await;
+    let applied_paths = applied(&f.calls());
+    assert!(
+        !applied_paths.contains(&apiservice_path(name)),
+        "{applied_paths:#?}"
+    );
+    assert_eq!(
+        f.get(&apiservice_path(name)).unwrap(),
+        local_apiservice(name)
+    );
+    assert_eq!(
+        f.get(MAILBOX_PATH).unwrap()["data"]["groups"],
+        "wgpolicyk8s.io,reports.kyverno.io,openreports.io"
+    );
+    let ready = f.condition("Ready");
+    assert_eq!(
+        (ready["status"].as_str(), ready["reason"].as_str()),
+        (Some("False"), Some("Migrating"))
+    );
+    assert_eq!(
+        f.condition("Degraded")["status"],
+        "False",
+        "a migration is not a fault"
+    );
+
+    // The worker reports progress; the status shows it per kind.
+    f.worker_reports(json!({
+        "observedGroups": "openreports.io,reports.kyverno.io,wgpolicyk8s.io",
+        "phase": "Copying",
+        "progress": r#"[{"kind":"EphemeralReport","total":40,"copied":25,"mirrored":3,"synced":0}]"#,
+    }));
+    f.reconcile().await;
+    let rs = f.get(RS_PATH).unwrap();
+    let m = &rs["status"]["migration"];
+    assert_eq!(m["phase"], "Copying");
+    assert_eq!(
+        (m["copied"].as_i64(), m["total"].as_i64()),
+        (Some(25), Some(40))
+    );
+    assert_eq!(m["kinds"][0]["mirrored"], 3);
+    assert!(
+        f.condition("Ready")["message"]
+            .as_str()
+            .unwrap()
+            .contains("25 of 40")
+    );
+
+    // Switched by the worker: adopted, Ready, and the migration conditions all True.
+    let mut switched = local_apiservice(name);
+    switched["metadata"]["labels"] = json!({});
+    switched["spec"]["service"] =
+        json!({"namespace": "reports-server", "name": "reports-server", "port": 6443});
+    f.put(&apiservice_path(name), switched);
+    f.worker_reports(json!({"phase": "Complete", "progress": "[]", "lastRun": r#"{"copyObjectsPerSecond": 300.0, "fenceSeconds": 3.2, "switchSeconds": 0.4}"#}));
+    f.reconcile().await;
+    assert!(applied(&f.calls()).contains(&apiservice_path(name)));
+    let adopted = f.get(&apiservice_path(name)).unwrap();
+    assert_eq!(
+        adopted["metadata"]["annotations"]["reportsserver.io/owner"],
+        "reports-server/reports-server"
+    );
+    assert_eq!(f.condition("Ready")["status"], "True");
+    let rs = f.get(RS_PATH).unwrap();
+    let m = &rs["status"]["migration"];
+    assert_eq!(m["phase"], "Complete");
+    assert_eq!(m["lastRun"]["objectsPerSecond"], "300.0");
+    for c in m["conditions"].as_array().unwrap() {
+        assert_eq!(c["status"], "True", "{c}");
+    }
+    assert_eq!(m["kinds"][0]["total"], 40, "the last counts stay");
+}
+
+#[tokio::test]
+async fn deletion_waits_for_the_hand_back_then_releases_the_apiservices() {
+    let f = Fixture::new();
+    f.put_rs(
+        json!({"external": {"host": "localhost", "port": 6443, "caBundle": CA}}),
+        1,
+    );
+    f.reconcile().await;
+    f.calls();
+    let mut rs = f.get(RS_PATH).unwrap();
+    rs["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    f.put(RS_PATH, rs);
+
+    // The server has not handed back yet: nothing deleted, the mailbox asks for no group.
+    let err = f.try_reconcile().await.expect_err("deletion waits");
+    assert!(err.to_string().contains("handBackOnDelete: false"), "{err}");
+    let deletes: Vec<_> = f
+        .calls()
+        .into_iter()
+        .filter(|(m, _)| m == "DELETE")
+        .collect();
+    assert!(deletes.is_empty(), "{deletes:#?}");
+    assert_eq!(f.get(MAILBOX_PATH).unwrap()["data"]["groups"], "");
+    assert_eq!(
+        f.get(RS_PATH).unwrap()["metadata"]["finalizers"],
+        json!(["reportsserver.io/cleanup"])
+    );
+    let action = controller::error_policy(
+        Arc::new(serde_json::from_value(f.get(RS_PATH).unwrap()).unwrap()),
+        &err,
+        f.ctx.clone(),
+    );
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::requeue(f.ctx.config.progress_requeue),
+        "no backoff while waiting"
+    );
+
+    // Writing back: progress in status.
+    f.worker_reports(json!({"observedGroups": "", "phase": "WritingBack",
+        "progress": r#"[{"kind":"PolicyReport","total":10,"copied":4}]"#}));
+    f.try_reconcile().await.expect_err("still waiting");
+    let m = f.get(RS_PATH).unwrap()["status"]["migration"].clone();
+    assert_eq!(
+        (m["phase"].as_str(), m["copied"].as_i64()),
+        (Some("WritingBack"), Some(4))
+    );
+    assert_eq!(m["conditions"][0]["type"], "HandedBack");
+    assert_eq!(m["conditions"][0]["status"], "False");
+
+    // Handed back: the APIServices are Local again and survive, released; the finalizer goes.
+    for name in [
+        "v1alpha2.wgpolicyk8s.io",
+        "v1.reports.kyverno.io",
+        "v1alpha1.openreports.io",
+    ] {
+        let mut a = f.get(&apiservice_path(name)).unwrap();
+        a["spec"]["service"] = Value::Null;
+        a["metadata"]["labels"]["kube-aggregator.kubernetes.io/automanaged"] = json!("true");
+        f.put(&apiservice_path(name), a);
+    }
+    f.worker_reports(json!({"phase": "Complete", "progress": "[]"}));
+    f.reconcile().await;
+    for name in [
+        "v1alpha2.wgpolicyk8s.io",
+        "v1.reports.kyverno.io",
+        "v1alpha1.openreports.io",
+    ] {
+        let a = f
+            .get(&apiservice_path(name))
+            .expect("a handed-back APIService stays");
+        assert!(
+            a["metadata"]["annotations"]["reportsserver.io/owner"].is_null(),
+            "{a}"
+        );
+    }
+    let rs = f.get(RS_PATH).unwrap();
+    assert_eq!(rs["metadata"]["finalizers"], json!([]));
+    assert_eq!(rs["status"]["migration"]["conditions"][0]["status"], "True");
 }

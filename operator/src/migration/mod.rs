@@ -23,7 +23,9 @@
 //! * **No HTTP types.** The engine writes through the registry, as every background worker does.
 
 pub mod cluster;
+pub mod mailbox;
 pub mod plan;
+pub mod worker;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -90,6 +92,8 @@ pub struct ToDatabaseOptions {
     pub dry_run: bool,
     /// How long the fence may take to hold, and kube-apiserver to route a switched group to us.
     pub switch_timeout: Duration,
+    /// The API groups to move (e.g. `wgpolicyk8s.io`); empty moves every served group.
+    pub groups: Vec<String>,
 }
 
 /// What a group needs, read from the cluster.
@@ -151,11 +155,66 @@ impl MigrationReport {
 #[derive(Clone, Default)]
 pub struct Progress {
     kinds: Arc<Mutex<Vec<KindProgress>>>,
+    phase: Arc<Mutex<Phase>>,
+}
+
+/// Where a run is; published in the operator's status (`status.migration.phase`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Phase {
+    /// Nothing to move: every wanted group is served by the server, the others by CRD storage.
+    #[default]
+    Complete,
+    /// Copying from CRD storage into the database (and mirroring changes).
+    Copying,
+    /// Putting up the fence and waiting until kube-apiserver enforces it.
+    Fencing,
+    /// Behind the fence: the final sync and the verification.
+    Verifying,
+    /// APIServices being switched and the routing confirmed.
+    Switching,
+    /// APIServices being given back to kube-apiserver (hand-back).
+    HandingBack,
+    /// Reports being written back into CRD storage (hand-back).
+    WritingBack,
+    /// The last run stopped with an error; it is retried.
+    Failed,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Complete => "Complete",
+            Phase::Copying => "Copying",
+            Phase::Fencing => "Fencing",
+            Phase::Verifying => "Verifying",
+            Phase::Switching => "Switching",
+            Phase::HandingBack => "HandingBack",
+            Phase::WritingBack => "WritingBack",
+            Phase::Failed => "Failed",
+        }
+    }
 }
 
 impl Progress {
     pub fn snapshot(&self) -> Vec<KindProgress> {
         self.kinds.lock().expect("progress lock").clone()
+    }
+
+    pub fn phase(&self) -> Phase {
+        *self.phase.lock().expect("progress lock")
+    }
+
+    pub fn set_phase(&self, phase: Phase) {
+        let mut current = self.phase.lock().expect("progress lock");
+        if *current != phase {
+            tracing::info!(phase = phase.as_str(), "migration phase");
+            *current = phase;
+        }
+    }
+
+    /// Forgets the kinds of an earlier run.
+    pub fn reset(&self) {
+        self.kinds.lock().expect("progress lock").clear();
     }
 
     fn update(&self, kind: &str, f: impl FnOnce(&mut KindProgress)) {
@@ -175,12 +234,17 @@ impl Progress {
 }
 
 /// Reads the state of every served group from the cluster.
+/// Only the groups in `only` are read, unless it is empty.
 pub async fn group_states(
     cluster: &Cluster,
     target: &ServiceTarget,
+    only: &[String],
 ) -> Result<Vec<(String, String, GroupState)>, MigrationError> {
     let mut out = Vec::new();
     for (group, version) in GROUP_VERSIONS {
+        if !only.is_empty() && !only.iter().any(|g| g == group) {
+            continue;
+        }
         let name = format!("{version}.{group}");
         let state = match cluster.apiservice(&name).await? {
             None => GroupState::Absent,
@@ -216,7 +280,7 @@ pub async fn to_database(
     options: &ToDatabaseOptions,
     progress: &Progress,
 ) -> Result<MigrationReport, MigrationError> {
-    let states = group_states(cluster, &options.target).await?;
+    let states = group_states(cluster, &options.target, &options.groups).await?;
     let mut report = MigrationReport::starting(options.dry_run, &states);
     let mut kinds = Vec::new();
     for (group, version, state) in &states {
@@ -247,6 +311,7 @@ pub async fn to_database(
     }
 
     // 1. Copy each kind, then keep it current with a watch.
+    progress.set_phase(Phase::Copying);
     let copy_started = Instant::now();
     let mut ledgers: BTreeMap<&'static str, Arc<Mutex<Ledger>>> = BTreeMap::new();
     let mut mirrors: Vec<JoinHandle<()>> = Vec::new();
@@ -282,6 +347,7 @@ pub async fn to_database(
         let mut floor_source = 0i64;
         if fenced {
             // 2. Fence the CRD storage and wait until kube-apiserver enforces it.
+            progress.set_phase(Phase::Fencing);
             let (policy, binding) = plan::fence(&local_groups, None);
             cluster.apply_fence(&policy, &binding).await?;
             for r in &kinds {
@@ -295,6 +361,7 @@ pub async fn to_database(
                 m.abort();
             }
             // 3. Bring each copy exactly in line with the fenced source, and verify it.
+            progress.set_phase(Phase::Verifying);
             for r in &kinds {
                 let ledger = ledgers[r.kind].clone();
                 let revision = final_sync(cluster, registry, r, options, progress, &ledger).await?;
@@ -303,6 +370,7 @@ pub async fn to_database(
             }
         }
         // 4. Our versions above every etcd revision, then the switch.
+        progress.set_phase(Phase::Switching);
         let switch_started = Instant::now();
         let needs_switch: Vec<&(String, String, GroupState)> = states
             .iter()
@@ -726,6 +794,8 @@ pub struct ToCrdsOptions {
     pub settle: Duration,
     /// Objects written back to CRD storage at once (the fence stands until all are).
     pub write_concurrency: usize,
+    /// The API groups to hand back; empty hands back every group routed to the target.
+    pub groups: Vec<String>,
 }
 
 /// Hands every group routed to `options.target` back to CRD storage with the data: CRDs
@@ -742,7 +812,7 @@ pub async fn to_crds(
     options: &ToCrdsOptions,
     progress: &Progress,
 ) -> Result<MigrationReport, MigrationError> {
-    let states = group_states(cluster, &options.target).await?;
+    let states = group_states(cluster, &options.target, &options.groups).await?;
     let fenced_before = cluster.fence_exists().await?;
     let mut report = MigrationReport::starting(options.dry_run, &states);
     // Switched groups go back; Local groups behind a fence are a hand-back that was interrupted.
@@ -778,6 +848,7 @@ pub async fn to_crds(
     cluster.apply_crds(&wanted, options.switch_timeout).await?;
 
     // 1. Fence the CRD storage against everyone but us, then give the groups back.
+    progress.set_phase(Phase::Fencing);
     let fence_started = Instant::now();
     let me = cluster.username().await?;
     let group_names: Vec<&str> = groups.iter().map(|(g, _)| *g).collect();
@@ -800,6 +871,7 @@ pub async fn to_crds(
     )
     .await?;
     tracing::info!("fence holds (probed); giving the groups back");
+    progress.set_phase(Phase::HandingBack);
     let switch_started = Instant::now();
     let (_, our_floor) = registry.store().versions().await?;
     for (group, version) in &groups {
@@ -848,6 +920,7 @@ pub async fn to_crds(
     }
 
     // 3. Write every object back, remove what we do not have, compare.
+    progress.set_phase(Phase::WritingBack);
     let copy_started = Instant::now();
     let mut written = 0u64;
     for r in &kinds {

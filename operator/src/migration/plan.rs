@@ -433,8 +433,8 @@ pub fn handback(ours: &Value, theirs: Option<&Value>) -> Handback {
 }
 
 /// Copy progress of one kind.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
 pub struct KindProgress {
     pub kind: String,
     /// Objects in the source when its list was taken.
