@@ -921,6 +921,33 @@ async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
             routed.push(name);
         }
     }
+    // Only a server that runs the migration worker can hand back; one that never reported in
+    // the mailbox (an external server started without --migrate-from-crds, or a server that
+    // never came up) cannot, and deletion must not wait for it forever.
+    let configmaps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    let worker_seen = get_opt(&configmaps, &desired::migration_mailbox_name(rs))
+        .await?
+        .is_some_and(|cm| {
+            Report::from_data(&cm.data.unwrap_or_default())
+                .phase
+                .is_some()
+        });
+    if !worker_seen {
+        if !routed.is_empty() {
+            ctx.event(
+                rs,
+                EventType::Warning,
+                "NoHandBack",
+                format!(
+                    "no migration worker ever reported in ConfigMap {ns}/{}: {} deleted without handing the reports back (they stay in the database)",
+                    desired::migration_mailbox_name(rs),
+                    routed.join(", ")
+                ),
+            )
+            .await;
+        }
+        return Ok(());
+    }
     apply(&ctx.client, &desired::migration_mailbox(rs, &[])).await?;
     let previous = rs.status.clone().unwrap_or_default();
     let migration = migration_status(ctx, rs, previous.migration.as_ref(), &[]).await?;

@@ -165,17 +165,22 @@ pub fn migration_status(
         conditions.push(mk(SWITCHED, at >= 3, phase.as_str()));
     }
     keep_transition_times(before, &mut conditions);
-    let kinds: Vec<KindMigrationStatus> = report
-        .kinds
-        .iter()
-        .map(|k| KindMigrationStatus {
+    // A step covers the groups that still needed it (a run resumed after a kill may have only
+    // one left): kinds it does not report keep their last figures.
+    let mut kinds: Vec<KindMigrationStatus> = previous.map(|p| p.kinds.clone()).unwrap_or_default();
+    for k in &report.kinds {
+        let now = KindMigrationStatus {
             kind: k.kind.clone(),
             total: k.total as i64,
             copied: k.copied as i64,
             mirrored: k.mirrored as i64,
             synced: k.synced as i64,
-        })
-        .collect();
+        };
+        match kinds.iter_mut().find(|x| x.kind == k.kind) {
+            Some(x) => *x = now,
+            None => kinds.push(now),
+        }
+    }
     let last_run = report
         .last_run
         .as_ref()
@@ -196,11 +201,7 @@ pub fn migration_status(
         },
         copied: kinds.iter().map(|k| k.copied).sum(),
         total: kinds.iter().map(|k| k.total).sum(),
-        kinds: if answered && report.kinds.is_empty() {
-            previous.map(|p| p.kinds.clone()).unwrap_or_default()
-        } else {
-            kinds
-        },
+        kinds,
         message: report.message.clone(),
         conditions,
         last_run,

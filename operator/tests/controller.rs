@@ -670,6 +670,11 @@ async fn deletion_waits_for_the_hand_back_then_releases_the_apiservices() {
         1,
     );
     f.reconcile().await;
+    // The server's migration worker runs (it has reported once).
+    f.worker_reports(json!({
+        "observedGroups": "openreports.io,reports.kyverno.io,wgpolicyk8s.io",
+        "phase": "Complete",
+    }));
     f.calls();
     let mut rs = f.get(RS_PATH).unwrap();
     rs["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");

@@ -208,6 +208,129 @@ fn churn_report(name: &str, seq: u64) -> Value {
     })
 }
 
+impl WriterLog {
+    /// What the writer expects to exist: `churn/<name>` → its `seq` label.
+    fn expected(&self) -> BTreeMap<String, u64> {
+        self.state
+            .iter()
+            .filter_map(|(n, s)| s.map(|s| (format!("{CHURN_NAMESPACE}/{n}"), s)))
+            .collect()
+    }
+}
+
+/// The writer's reports in `objects` (keyed `namespace/name`): `churn/<name>` → `seq` label.
+fn churn_state(objects: &BTreeMap<String, Value>) -> BTreeMap<String, u64> {
+    objects
+        .iter()
+        .filter(|(k, _)| k.starts_with(&format!("{CHURN_NAMESPACE}/")))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v["metadata"]["labels"]["seq"]
+                    .as_str()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// An object without what CRD storage assigns on create (compared across a hand-back).
+fn portable(v: &Value) -> Value {
+    let mut v = v.clone();
+    if let Some(m) = v["metadata"].as_object_mut() {
+        for f in [
+            "resourceVersion",
+            "uid",
+            "creationTimestamp",
+            "generation",
+            "managedFields",
+        ] {
+            m.remove(f);
+        }
+    }
+    v
+}
+
+/// A kube-rs reflector on PolicyReports (as a client-go informer would hold them), ready; the
+/// counter counts its (re)lists.
+async fn spawn_reflector(
+    client: &kube::Client,
+) -> Result<(
+    reflector::Store<DynamicObject>,
+    tokio::task::JoinHandle<()>,
+    Arc<AtomicU64>,
+)> {
+    let store_writer = reflector::store::Writer::<DynamicObject>::new(api_resource(&POLICY_REPORT));
+    let reader = store_writer.as_reader();
+    let relists = Arc::new(AtomicU64::new(0));
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &api_resource(&POLICY_REPORT));
+    let counter = relists.clone();
+    let task = tokio::spawn(async move {
+        let stream = reflector(
+            store_writer,
+            watcher(api, watcher::Config::default()).default_backoff(),
+        );
+        futures::pin_mut!(stream);
+        while let Some(event) = stream.next().await {
+            if let Ok(watcher::Event::Init) = event {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    });
+    reader.wait_until_ready().await?;
+    Ok((reader, task, relists))
+}
+
+/// Waits (60 s at most) until a reflector's cache equals what the server lists, by name and
+/// resourceVersion.
+async fn reflector_matches(
+    client: &kube::Client,
+    reader: &reflector::Store<DynamicObject>,
+) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (now, _) = list_all(client, &POLICY_REPORT).await?;
+        let cached: BTreeMap<String, String> = reader
+            .state()
+            .iter()
+            .map(|o| {
+                (
+                    format!(
+                        "{}/{}",
+                        o.metadata.namespace.clone().unwrap_or_default(),
+                        o.metadata.name.clone().unwrap_or_default()
+                    ),
+                    o.metadata.resource_version.clone().unwrap_or_default(),
+                )
+            })
+            .collect();
+        let served: BTreeMap<String, String> = now
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.clone(),
+                    v["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_owned(),
+                )
+            })
+            .collect();
+        if cached == served {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the reflector's cache ({} objects) never matched the server's {} objects",
+                cached.len(),
+                served.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// Creates, updates and deletes reports in `churn` through kube-apiserver until `stop`.
 async fn writer(
     client: kube::Client,
@@ -561,26 +684,7 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
         migrating.clone(),
         log.clone(),
     ));
-    let store_writer = reflector::store::Writer::<DynamicObject>::new(api_resource(&POLICY_REPORT));
-    let reader = store_writer.as_reader();
-    let relists = Arc::new(AtomicU64::new(0));
-    let reflector_task = {
-        let api: Api<DynamicObject> = Api::all_with(client.clone(), &api_resource(&POLICY_REPORT));
-        let relists = relists.clone();
-        tokio::spawn(async move {
-            let stream = reflector(
-                store_writer,
-                watcher(api, watcher::Config::default()).default_backoff(),
-            );
-            futures::pin_mut!(stream);
-            while let Some(event) = stream.next().await {
-                if let Ok(watcher::Event::Init) = event {
-                    relists.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        })
-    };
-    reader.wait_until_ready().await?;
+    let (reader, reflector_task, relists) = spawn_reflector(client).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     migrating.store(true, Ordering::SeqCst);
@@ -651,72 +755,15 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
     let shared_log = log.clone();
     let log = std::mem::take(&mut *log.lock().unwrap());
     shared_log.lock().unwrap().state = log.state.clone();
-    let mut expected = BTreeMap::new();
-    for (name, seq) in &log.state {
-        if let Some(seq) = seq {
-            expected.insert(format!("{CHURN_NAMESPACE}/{name}"), *seq);
-        }
-    }
-    let actual: BTreeMap<String, u64> = ours_policy
-        .iter()
-        .filter(|(k, _)| k.starts_with(&format!("{CHURN_NAMESPACE}/")))
-        .map(|(k, v)| {
-            (
-                k.clone(),
-                v["metadata"]["labels"]["seq"]
-                    .as_str()
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(0),
-            )
-        })
-        .collect();
+    let expected = log.expected();
+    let actual = churn_state(&ours_policy);
     ensure!(
         actual == expected,
         "the writer's log and the server disagree:\n log:    {expected:?}\n server: {actual:?}"
     );
 
     // The reflector converges on the server's state.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (now, _) = list_all(client, &POLICY_REPORT).await?;
-        let cached: BTreeMap<String, String> = reader
-            .state()
-            .iter()
-            .map(|o| {
-                (
-                    format!(
-                        "{}/{}",
-                        o.metadata.namespace.clone().unwrap_or_default(),
-                        o.metadata.name.clone().unwrap_or_default()
-                    ),
-                    o.metadata.resource_version.clone().unwrap_or_default(),
-                )
-            })
-            .collect();
-        let served: BTreeMap<String, String> = now
-            .iter()
-            .map(|(k, v)| {
-                (
-                    k.clone(),
-                    v["metadata"]["resourceVersion"]
-                        .as_str()
-                        .unwrap_or("")
-                        .to_owned(),
-                )
-            })
-            .collect();
-        if cached == served {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "the reflector's cache ({} objects) never matched the server's {} objects",
-                cached.len(),
-                served.len()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    reflector_matches(client, &reader).await?;
     reflector_task.abort();
 
     eprintln!(
@@ -830,21 +877,6 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
         crd_ephemeral.len(),
         ours_ephemeral.len()
     );
-    let portable = |v: &Value| {
-        let mut v = v.clone();
-        if let Some(m) = v["metadata"].as_object_mut() {
-            for f in [
-                "resourceVersion",
-                "uid",
-                "creationTimestamp",
-                "generation",
-                "managedFields",
-            ] {
-                m.remove(f);
-            }
-        }
-        v
-    };
     let mut returned = 0;
     for (key, object) in before
         .iter()
@@ -867,24 +899,8 @@ async fn migrate_to_database_loses_nothing() -> Result<()> {
         returned += 1;
     }
     let log2 = std::mem::take(&mut *shared_log.lock().unwrap());
-    let expected: BTreeMap<String, u64> = log2
-        .state
-        .iter()
-        .filter_map(|(n, s)| s.map(|s| (format!("{CHURN_NAMESPACE}/{n}"), s)))
-        .collect();
-    let actual: BTreeMap<String, u64> = crd_policy
-        .iter()
-        .filter(|(k, _)| k.starts_with(&format!("{CHURN_NAMESPACE}/")))
-        .map(|(k, v)| {
-            (
-                k.clone(),
-                v["metadata"]["labels"]["seq"]
-                    .as_str()
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(0),
-            )
-        })
-        .collect();
+    let expected = log2.expected();
+    let actual = churn_state(&crd_policy);
     ensure!(
         actual == expected,
         "after to-crds the writer's log and etcd disagree:\n log:  {expected:?}\n etcd: {actual:?}"
@@ -1075,6 +1091,418 @@ async fn migration_resumes_after_a_kill_in_each_phase() -> Result<()> {
             env.etcd_policy.len()
         );
     }
+    let Env { server, cp, .. } = env;
+    drop(server);
+    cp.stop().await?;
+    Ok(())
+}
+
+/// Reads the migration mailbox's `phase` (what the server's worker last published).
+fn mailbox_phase(admin: &Kubectl) -> String {
+    admin
+        .output(
+            &[
+                "get",
+                "configmap",
+                "-n",
+                SERVICE_NAMESPACE,
+                "reports-server-migration",
+                "-o",
+                "jsonpath={.data.phase}",
+            ],
+            None,
+        )
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+/// The operator as a child process (admin credentials), logging to `log`.
+fn start_operator(env: &Env, log: &std::path::Path) -> Result<std::process::Child> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    let mut cmd = Command::new(&env.bin);
+    cmd.args(["operator", "--kubeconfig"])
+        .arg(env.cp.kubeconfig_path())
+        .args([
+            "--metrics-address",
+            &format!("127.0.0.1:{}", server::free_port()),
+        ])
+        .args([
+            "--lease-namespace",
+            SERVICE_NAMESPACE,
+            "--pod-name",
+            "e2e-operator",
+        ])
+        .args([
+            "--lease-duration-seconds",
+            "4",
+            "--lease-retry-seconds",
+            "1",
+        ])
+        .args(["--progress-requeue-seconds", "1"])
+        .env("REPORTS_SERVER_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(file.try_clone()?)
+        .stderr(file);
+    Ok(reports_server_tests::controlplane::spawn_tied_to_test(cmd)?)
+}
+
+/// The migration the operator's way: a ReportsServer (external mode: the server runs here with
+/// `serve --migrate-from-crds`, its migration worker driven by the operator's mailbox) adopts a
+/// cluster whose reports are in etcd while the writer and a reflector run, with SIGKILLs of the
+/// operator and of the server while data moves; then deleting the ReportsServer hands every
+/// report back to etcd while the writer writes again (the operator killed once meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_moves_reports_in_and_hands_them_back_on_delete() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let mut env = setup(report_count(10_000)? / 5).await?;
+    let client = env.client.clone();
+
+    // The ReportsServer CRD (from install.yaml) and the operator.
+    let crd = reports_server_tests::operator::yaml_docs(
+        &reports_server_tests::operator::manifest("install.yaml")?,
+    )?
+    .into_iter()
+    .find(|d| d["kind"] == "CustomResourceDefinition")
+    .context("install.yaml has the ReportsServer CRD")?;
+    env.admin.run_with_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        Some(&serde_json::to_string(&crd)?),
+    )?;
+    env.admin.run(&[
+        "wait",
+        "--for=condition=Established",
+        "crd/reportsservers.reportsserver.io",
+        "--timeout=60s",
+    ])?;
+    let operator_log = env.cp.dir().join("operator.log");
+    let mut operator = start_operator(&env, &operator_log)?;
+    let rs = json!({
+        "apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+        "metadata": {"name": "reports-server", "namespace": SERVICE_NAMESPACE},
+        "spec": {"external": {"host": "localhost", "port": env.server.port, "caBundle": env.cp.ca_pem()}},
+    });
+    env.admin
+        .run_with_stdin(&["apply", "-f", "-"], Some(&rs.to_string()))?;
+
+    // The groups are Local with reports in etcd: the operator leaves them to the migration.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let rs = reports_server_tests::operator::rs_json(&env.admin)?;
+        let ready = reports_server_tests::operator::condition(&rs, "Ready").cloned();
+        if ready.as_ref().is_some_and(|c| c["reason"] == "Migrating") {
+            ensure!(
+                reports_server_tests::operator::condition(&rs, "Degraded")
+                    .is_some_and(|c| c["status"] == "False"),
+                "a migration is not a fault: {rs:#}"
+            );
+            break;
+        }
+        ensure!(Instant::now() < deadline, "never Migrating: {rs:#}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for name in API_SERVICES {
+        let a: Value =
+            serde_json::from_str(&env.admin.run(&["get", "apiservice", name, "-o", "json"])?)?;
+        ensure!(
+            a["spec"]["service"].is_null(),
+            "{name} switched before the copy: {a:#}"
+        );
+    }
+
+    // The writer, the reflector, then the server with its migration worker.
+    let writer_client = env
+        .cp
+        .user_client("e2e-report-writer", &["system:masters"])
+        .await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let migrating = Arc::new(AtomicBool::new(true));
+    let log = Arc::new(Mutex::new(WriterLog::default()));
+    let writer_task = tokio::spawn(writer(
+        writer_client.clone(),
+        stop.clone(),
+        migrating.clone(),
+        log.clone(),
+    ));
+    let (reader, reflector_task, relists) = spawn_reflector(&client).await?;
+    let port = env.server.port.to_string();
+    env.server.args.extend(
+        [
+            "--migrate-from-crds",
+            "--migration-mailbox",
+            &format!("{SERVICE_NAMESPACE}/reports-server-migration"),
+            "--migration-service-namespace",
+            SERVICE_NAMESPACE,
+            "--migration-service-name",
+            SERVICE_NAME,
+            "--migration-service-port",
+            &port,
+            "--migration-ca-bundle-file",
+            env.cp.ca_cert_path().to_str().context("CA path")?,
+            "--migration-interval-seconds",
+            "1",
+            // Slow enough that the kills below land while data is copied.
+            "--migration-rate",
+            "100",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    let t = Instant::now();
+    env.server.restart().await?;
+
+    // SIGKILLs while data moves: the server and the operator during the copy, the server again
+    // behind the fence when the worker is seen there.
+    let mut kills: Vec<String> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut seen = String::new();
+    let final_rs = loop {
+        let phase = mailbox_phase(&env.admin);
+        if phase != seen {
+            eprintln!("[e2e] {:>6.1?} worker phase {phase}", t.elapsed());
+            seen = phase.clone();
+        }
+        let did = |what: &str| kills.iter().any(|k| k.starts_with(what));
+        if phase == "Copying" && !did("server during Copying") {
+            env.server.kill();
+            kills.push(format!("server during Copying at {:.1?}", t.elapsed()));
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            env.server.restart().await?;
+        } else if phase == "Copying" && !did("operator during Copying") {
+            operator.kill()?;
+            operator.wait()?;
+            kills.push(format!("operator during Copying at {:.1?}", t.elapsed()));
+            operator = start_operator(&env, &operator_log)?;
+        } else if matches!(phase.as_str(), "Fencing" | "Verifying" | "Switching")
+            && !did("server behind the fence")
+        {
+            env.server.kill();
+            kills.push(format!(
+                "server behind the fence ({phase}) at {:.1?}",
+                t.elapsed()
+            ));
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            env.server.restart().await?;
+        }
+        let rs = reports_server_tests::operator::rs_json(&env.admin)?;
+        if reports_server_tests::operator::condition(&rs, "Ready")
+            .is_some_and(|c| c["status"] == "True")
+        {
+            break rs;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the operator's migration did not finish in 600 s: {rs:#}\nserver log:\n{}",
+            env.server.log_tail(60)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let wall = t.elapsed();
+    migrating.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::SeqCst);
+    writer_task.await?;
+    ensure!(
+        kills.iter().any(|k| k.starts_with("server during")),
+        "no kill happened during the copy (it was over before the first look): {kills:?}"
+    );
+
+    // Status: per kind, and every migration condition True.
+    let m = &final_rs["status"]["migration"];
+    ensure!(m["phase"] == "Complete", "status.migration: {m:#}");
+    for c in m["conditions"].as_array().context("migration conditions")? {
+        ensure!(c["status"] == "True", "migration condition not True: {c}");
+    }
+    let kind_total = |k: &str| {
+        m["kinds"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|x| x["kind"] == k)
+            .and_then(|x| x["total"].as_u64())
+    };
+    ensure!(
+        kind_total("EphemeralReport") == Some(env.n_ephemeral as u64),
+        "status.migration kinds: {m:#}"
+    );
+    for name in API_SERVICES {
+        let a: Value =
+            serde_json::from_str(&env.admin.run(&["get", "apiservice", name, "-o", "json"])?)?;
+        ensure!(
+            a["spec"]["service"]["name"] == SERVICE_NAME
+                && a["metadata"]["annotations"]["reportsserver.io/owner"]
+                    == format!("{SERVICE_NAMESPACE}/reports-server"),
+            "{name} not switched and adopted: {a:#}"
+        );
+    }
+
+    // Every preloaded object identical but for resourceVersion; the writer's log = the server.
+    let (ours_policy, rv) = list_all(&client, &POLICY_REPORT).await?;
+    ensure!(
+        rv.parse::<i64>()? > 1 << 32,
+        "the list came from etcd ({rv})"
+    );
+    let (ours_ephemeral, _) = list_all(&client, &EPHEMERAL_REPORT).await?;
+    let mut compared = 0;
+    for (source, ours) in [
+        (&env.etcd_policy, &ours_policy),
+        (&env.etcd_ephemeral, &ours_ephemeral),
+    ] {
+        for (key, object) in source {
+            let found = ours
+                .get(key)
+                .with_context(|| format!("{key} was not migrated"))?;
+            ensure!(
+                without_version(found.clone()) == without_version(object.clone()),
+                "{key} differs after the migration"
+            );
+            compared += 1;
+        }
+    }
+    ensure!(
+        ours_policy.len() - churn_state(&ours_policy).len() == env.etcd_policy.len()
+            && ours_ephemeral.len() == env.etcd_ephemeral.len(),
+        "extra objects after the migration"
+    );
+    let written = std::mem::take(&mut *log.lock().unwrap());
+    ensure!(
+        churn_state(&ours_policy) == written.expected(),
+        "the writer's log and the server disagree:\n log:    {:?}\n server: {:?}",
+        written.expected(),
+        churn_state(&ours_policy)
+    );
+    reflector_matches(&client, &reader).await?;
+    reflector_task.abort();
+    eprintln!(
+        "[e2e] operator migration: {compared} objects identical; Ready after {wall:.1?}; last run {}; kills: {kills:?}; writer {} acknowledged ({} during), {} refused by the fence, {} other errors; reflector relists {}",
+        m["lastRun"],
+        written.acknowledged,
+        written.during_migration,
+        written.refused_by_fence,
+        written.other_errors,
+        relists.load(Ordering::SeqCst)
+    );
+    ensure!(
+        written.during_migration > 0,
+        "no write during the migration"
+    );
+
+    // Deleting the ReportsServer hands everything back while the writer writes again.
+    let shared = Arc::new(Mutex::new(WriterLog {
+        state: written.state.clone(),
+        ..Default::default()
+    }));
+    let stop = Arc::new(AtomicBool::new(false));
+    migrating.store(true, Ordering::SeqCst);
+    let writer_task = tokio::spawn(writer(
+        writer_client,
+        stop.clone(),
+        migrating.clone(),
+        shared.clone(),
+    ));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (before_policy, _) = list_all(&client, &POLICY_REPORT).await?;
+    let t = Instant::now();
+    env.admin.run(&[
+        "delete",
+        "rsrv",
+        "-n",
+        SERVICE_NAMESPACE,
+        "reports-server",
+        "--wait=false",
+    ])?;
+    let mut operator_killed = false;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let gone = !env
+            .admin
+            .output(
+                &["get", "rsrv", "-n", SERVICE_NAMESPACE, "reports-server"],
+                None,
+            )?
+            .status
+            .success();
+        if gone {
+            break;
+        }
+        let phase = mailbox_phase(&env.admin);
+        if phase != seen {
+            eprintln!("[e2e] {:>6.1?} worker phase {phase}", t.elapsed());
+            seen = phase.clone();
+        }
+        if !operator_killed && phase == "WritingBack" {
+            operator.kill()?;
+            operator.wait()?;
+            operator_killed = true;
+            operator = start_operator(&env, &operator_log)?;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the ReportsServer was not deleted within 600 s\nserver log:\n{}",
+            env.server.log_tail(60)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let handback_wall = t.elapsed();
+    migrating.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::SeqCst);
+    writer_task.await?;
+    for name in API_SERVICES {
+        let a: Value =
+            serde_json::from_str(&env.admin.run(&["get", "apiservice", name, "-o", "json"])?)?;
+        ensure!(
+            a["spec"]["service"].is_null()
+                && a["metadata"]["annotations"]["reportsserver.io/owner"].is_null(),
+            "{name} not handed back and released: {a:#}"
+        );
+    }
+    let (crd_policy, crd_rv) = list_all(&client, &POLICY_REPORT).await?;
+    ensure!(
+        crd_rv.parse::<i64>()? < 1 << 32,
+        "after the deletion the list still comes from us ({crd_rv})"
+    );
+    let (crd_ephemeral, _) = list_all(&client, &EPHEMERAL_REPORT).await?;
+    let mut returned = 0;
+    for (ours, theirs) in [
+        (&before_policy, &crd_policy),
+        (&ours_ephemeral, &crd_ephemeral),
+    ] {
+        for (key, object) in ours
+            .iter()
+            .filter(|(k, _)| !k.starts_with(&format!("{CHURN_NAMESPACE}/")))
+        {
+            ensure!(
+                theirs.get(key).map(portable) == Some(portable(object)),
+                "{key} did not come back to etcd as it was:\n ours: {object}\n etcd: {:?}",
+                theirs.get(key)
+            );
+            returned += 1;
+        }
+    }
+    ensure!(
+        crd_ephemeral.len() == ours_ephemeral.len(),
+        "{} ephemeral reports in etcd after the hand-back, {} expected",
+        crd_ephemeral.len(),
+        ours_ephemeral.len()
+    );
+    let back_log = std::mem::take(&mut *shared.lock().unwrap());
+    ensure!(
+        churn_state(&crd_policy) == back_log.expected(),
+        "after the hand-back the writer's log and etcd disagree:\n log:  {:?}\n etcd: {:?}",
+        back_log.expected(),
+        churn_state(&crd_policy)
+    );
+    eprintln!(
+        "[e2e] operator hand-back on delete: {returned} objects back in etcd, compared; deletion took {handback_wall:.1?}; operator killed while writing back: {operator_killed}; writer {} acknowledged ({} during), {} refused by the fence, {} other errors",
+        back_log.acknowledged,
+        back_log.during_migration,
+        back_log.refused_by_fence,
+        back_log.other_errors
+    );
+    operator.kill()?;
     let Env { server, cp, .. } = env;
     drop(server);
     cp.stop().await?;

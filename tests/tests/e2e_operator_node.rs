@@ -23,8 +23,11 @@
 //!    naming the Secret and the key; adding the key returns to `Ready` with nothing restarted by
 //!    hand;
 //!
-//! and between the modes, deleting the ReportsServer removes the APIServices and, through the
-//! garbage collector, everything it owned.
+//! and between the modes, deleting the ReportsServer hands every report back to CRD storage
+//! (`spec.migration.handBackOnDelete`, the default: the report CRDs are installed by the server,
+//! the APIServices become Local again) and the garbage collector removes everything it owned;
+//! the next mode then finds the reports in etcd and migrates them in (`spec.migration`): the same
+//! reports with the same uids, `status.migration` complete.
 
 use std::{
     collections::BTreeMap,
@@ -173,9 +176,10 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
         after.len(),
         t.elapsed()
     );
-    delete_installation(&kubectl, &rs).await?;
+    let in_etcd = delete_installation(&kubectl, &rs, &after).await?;
 
     // ---- 3. postgres.managed with a rolling update -------------------------------------------
+    // The hand-back left the reports in CRD storage: this installation migrates them in.
     let t = Instant::now();
     kubectl.run_with_stdin(
         &["apply", "-f", "-"],
@@ -187,6 +191,7 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
         t.elapsed()
     );
     check_installation(&kubectl, &client, "postgres-managed", &rs).await?;
+    check_migrated_in(&kubectl, "postgres.managed", &rs, &in_etcd)?;
     let written = write_reports(&kubectl, "managed", 20)?;
     ensure!(
         read_reports(&kubectl)? == written,
@@ -241,7 +246,7 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
         "postgres.managed: reports changed across the rolling update"
     );
     rotate_serving_certificate(&kubectl, &client).await?;
-    delete_installation(&kubectl, &rs).await?;
+    let in_etcd = delete_installation(&kubectl, &rs, &written).await?;
 
     // ---- 4. postgres.external -----------------------------------------------------------------
     let t = Instant::now();
@@ -294,12 +299,13 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
         t.elapsed()
     );
     check_installation(&kubectl, &client, "postgres-external", &rs).await?;
+    check_migrated_in(&kubectl, "postgres.external", &rs, &in_etcd)?;
     let written = write_reports(&kubectl, "external", 20)?;
     ensure!(
         read_reports(&kubectl)? == written,
         "postgres.external: the reports read back differ"
     );
-    delete_installation(&kubectl, &rs).await?;
+    delete_installation(&kubectl, &rs, &written).await?;
     Ok(())
 }
 
@@ -620,7 +626,11 @@ async fn wait_condition(kubectl: &Kubectl, type_: &str, timeout: Duration) -> Re
 
 /// Deletes the ReportsServer: its APIServices must be gone when the object is, and the garbage
 /// collector then removes what it owned.
-async fn delete_installation(kubectl: &Kubectl, rs: &Value) -> Result<()> {
+async fn delete_installation(
+    kubectl: &Kubectl,
+    rs: &Value,
+    written: &BTreeMap<String, String>,
+) -> Result<BTreeMap<String, String>> {
     let t = Instant::now();
     let uid = rs["metadata"]["uid"]
         .as_str()
@@ -635,13 +645,30 @@ async fn delete_installation(kubectl: &Kubectl, rs: &Value) -> Result<()> {
         "--wait=true",
         "--timeout=120s",
     ])?;
+    let handed_back_in = t.elapsed();
+    // spec.migration.handBackOnDelete (the default): the server wrote every report back into
+    // CRD storage and gave the APIServices back to kube-apiserver before the object went.
     for name in API_SERVICES {
-        let out = kubectl.output(&["get", "apiservice", name], None)?;
+        let a: Value =
+            serde_json::from_str(&kubectl.run(&["get", "apiservice", name, "-o", "json"])?)?;
         ensure!(
-            !out.status.success(),
-            "APIService {name} is still there after the ReportsServer is gone"
+            a["spec"]["service"].is_null()
+                && a["metadata"]["annotations"]["reportsserver.io/owner"].is_null(),
+            "APIService {name} was not handed back to kube-apiserver: {a:#}"
         );
     }
+    let in_etcd = retry_read(kubectl).await?;
+    ensure!(
+        in_etcd.keys().eq(written.keys()),
+        "the hand-back did not return every report to CRD storage: {} written, {} in etcd",
+        written.len(),
+        in_etcd.len()
+    );
+    eprintln!(
+        "[e2e_operator_node] ReportsServer deleted in {handed_back_in:.1?}: {} reports handed back \
+         to CRD storage, APIServices Local again",
+        in_etcd.len()
+    );
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
         let text = kubectl.run(&[
@@ -683,9 +710,39 @@ async fn delete_installation(kubectl: &Kubectl, rs: &Value) -> Result<()> {
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     eprintln!(
-        "[e2e_operator_node] ReportsServer deleted: APIServices gone with it, owned objects \
-         collected in {:.1?}",
+        "[e2e_operator_node] owned objects collected {:.1?} after the deletion",
         t.elapsed()
+    );
+    Ok(in_etcd)
+}
+
+/// After a hand-back the next installation moves the reports from CRD storage into its database
+/// (`spec.migration`): the same reports with the same uids, and the migration reported done.
+fn check_migrated_in(
+    kubectl: &Kubectl,
+    mode: &str,
+    rs: &Value,
+    in_etcd: &BTreeMap<String, String>,
+) -> Result<()> {
+    let served = read_reports(kubectl)?;
+    ensure!(
+        &served == in_etcd,
+        "{mode}: the reports handed back to etcd were not migrated in as they were: {} in etcd, {} served",
+        in_etcd.len(),
+        served.len()
+    );
+    let m = &rs["status"]["migration"];
+    ensure!(
+        m["phase"] == "Complete"
+            && m["conditions"]
+                .as_array()
+                .is_some_and(|cs| cs.iter().all(|c| c["status"] == "True")),
+        "{mode}: status.migration is not complete: {m:#}"
+    );
+    eprintln!(
+        "[e2e_operator_node] {mode}: {} reports migrated in from CRD storage (same uids); last run {}",
+        served.len(),
+        m["lastRun"]
     );
     Ok(())
 }
@@ -842,11 +899,11 @@ fn write_reports(kubectl: &Kubectl, prefix: &str, n: usize) -> Result<BTreeMap<S
     }
     kubectl.run_with_stdin(&["create", "-f", "-"], Some(&yaml))?;
     let all = read_reports(kubectl)?;
-    ensure!(
-        all.len() == n,
-        "wrote {n} reports, {} are served",
-        all.len()
-    );
+    let mine = all
+        .keys()
+        .filter(|k| k.starts_with(&format!("{prefix}-")))
+        .count();
+    ensure!(mine == n, "wrote {n} reports, {mine} are served");
     Ok(all)
 }
 

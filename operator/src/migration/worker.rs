@@ -219,9 +219,9 @@ impl Worker {
         let progress = Progress::default();
         let reporter = async {
             loop {
-                tokio::time::sleep(Duration::from_secs(2)).await;
                 self.publish(wanted, progress.phase(), &progress, "", None)
                     .await;
+                tokio::time::sleep(Duration::from_secs(2)).await;
             }
         };
         let run = async {
