@@ -703,7 +703,7 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
             if let Some(existing) = get_opt(&apiservices, &name).await?
                 && is_ours(&existing, rs)
             {
-                if hands_back(rs) {
+                if hands_back(rs) && worker_seen(ctx, rs).await? {
                     // The server's worker hands the group back with its reports (the mailbox no
                     // longer lists it); once Local it is released here.
                     if describe_target(&existing).starts_with("Local") {
@@ -762,7 +762,7 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
                     "moving the reports of {} between CRD storage and the database: {}, {} of {} copied{}",
                     migrating.join(", "),
                     if m.phase.is_empty() {
-                        "waiting for the server"
+                        "waiting for the server's migration worker (serve --migrate-from-crds; spec.migration.enabled: false leaves such groups alone)"
                     } else {
                         &m.phase
                     },
@@ -881,6 +881,21 @@ async fn release_apiservice(apiservices: &Api<APIService>, name: &str) -> Result
     Ok(())
 }
 
+/// Whether a migration worker ever reported in the mailbox. Only a server running one can hand
+/// back; one that never reported (an external server started without `--migrate-from-crds`, a
+/// server that never came up) cannot, and nothing may wait for it forever.
+async fn worker_seen(ctx: &Context, rs: &ReportsServer) -> Result<bool, kube::Error> {
+    let configmaps: Api<ConfigMap> =
+        Api::namespaced(ctx.client.clone(), &rs.namespace().unwrap_or_default());
+    Ok(get_opt(&configmaps, &desired::migration_mailbox_name(rs))
+        .await?
+        .is_some_and(|cm| {
+            Report::from_data(&cm.data.unwrap_or_default())
+                .phase
+                .is_some()
+        }))
+}
+
 /// `status.migration` from the server's report in the mailbox (`None` before any report).
 async fn migration_status(
     ctx: &Context,
@@ -921,18 +936,7 @@ async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
             routed.push(name);
         }
     }
-    // Only a server that runs the migration worker can hand back; one that never reported in
-    // the mailbox (an external server started without --migrate-from-crds, or a server that
-    // never came up) cannot, and deletion must not wait for it forever.
-    let configmaps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
-    let worker_seen = get_opt(&configmaps, &desired::migration_mailbox_name(rs))
-        .await?
-        .is_some_and(|cm| {
-            Report::from_data(&cm.data.unwrap_or_default())
-                .phase
-                .is_some()
-        });
-    if !worker_seen {
+    if !worker_seen(ctx, rs).await? {
         if !routed.is_empty() {
             ctx.event(
                 rs,
