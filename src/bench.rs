@@ -70,6 +70,10 @@ pub struct BenchArgs {
     /// How long the write load runs, in seconds (phase watch-latency).
     #[arg(long, env = "REPORTS_SERVER_BENCH_WRITE_SECONDS", default_value_t = 10)]
     write_seconds: u64,
+    /// Write whole ~9 KB reports in the latency load (what Kyverno writes) instead of small
+    /// ones: the fan-out then costs what it costs in a cluster.
+    #[arg(long, env = "REPORTS_SERVER_BENCH_LATENCY_FULL_REPORTS")]
+    latency_full_reports: bool,
     /// Reports loaded before measuring memory (phase rss).
     #[arg(
         long,
@@ -298,10 +302,12 @@ fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1e3)
 }
 
-/// A small report for the latency load: the payload is not what is measured.
-fn latency_report(n: u64) -> PolicyReport {
+/// A report for the latency load: small unless `full` (a whole PSS report, ~9 KB).
+fn latency_report(n: u64, full: bool) -> PolicyReport {
     let mut r = pss_policy_report(&Subject::pod("bench-latency", n), 1_700_000_000, &[]);
-    r.results = None;
+    if !full {
+        r.results = None;
+    }
     r.metadata.name = Some(format!("lat-{n:07}"));
     r.metadata.annotations = Some([(SENT_AT.to_owned(), now_ns().to_string())].into());
     r
@@ -315,8 +321,15 @@ async fn watch_latency(
     let api: Api<PolicyReport> = Api::namespaced(client.clone(), ns);
     let expected = args.write_rate as u64 * args.write_seconds;
     println!(
-        "watch latency: {} watchers, {} creates/s for {} s ({expected} events per watcher)",
-        args.watchers, args.write_rate, args.write_seconds
+        "watch latency: {} watchers, {} creates/s of {} reports for {} s ({expected} events per watcher)",
+        args.watchers,
+        args.write_rate,
+        if args.latency_full_reports {
+            "~9 KB"
+        } else {
+            "small"
+        },
+        args.write_seconds
     );
     let from = api
         .list(&ListParams::default().limit(1))
@@ -382,13 +395,16 @@ async fn watch_latency(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let in_flight = Arc::new(tokio::sync::Semaphore::new(64));
     let mut writes = Vec::with_capacity(expected as usize);
+    let full = args.latency_full_reports;
     for n in 0..expected {
         ticker.tick().await;
         let permit = in_flight.clone().acquire_owned().await?;
         let api = api.clone();
         writes.push(tokio::spawn(async move {
             let sent = Instant::now();
-            let r = api.create(&PostParams::default(), &latency_report(n)).await;
+            let r = api
+                .create(&PostParams::default(), &latency_report(n, full))
+                .await;
             drop(permit);
             r.map(|_| sent.elapsed())
         }));

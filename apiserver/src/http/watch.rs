@@ -178,7 +178,10 @@ const CHANGE_BATCH: u64 = 1000;
 /// One event for the client, before rendering.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
+    /// An object read from the table (the initial state).
     Object(EventType, Value),
+    /// A change from the log or the live feed, shared with every other watcher sending it.
+    Change(EventType, Arc<Change>),
     Bookmark {
         resource_version: i64,
         initial_events_end: bool,
@@ -395,7 +398,7 @@ impl<S: WatchSource> WatchMachine<S> {
                 )
             });
             if let Some(event) = event {
-                events.push(Event::Object(event, with_rv(&change)));
+                events.push(Event::Change(event, Arc::new(change)));
             }
         }
         Ok((
@@ -452,7 +455,7 @@ impl<S: WatchSource> WatchMachine<S> {
         for change in batch {
             from = change.resource_version;
             if let Some(event) = self.filter.event_for(&change) {
-                events.push(Event::Object(event, with_rv(&change)));
+                events.push(Event::Change(event, Arc::new(change)));
             }
         }
         Ok((events, Phase::Replay { from }))
@@ -476,7 +479,7 @@ impl<S: WatchSource> WatchMachine<S> {
                     let events = self
                         .filter
                         .event_for(&change)
-                        .map(|event| Event::Object(event, with_rv(&change)))
+                        .map(|event| Event::Change(event, change.clone()))
                         .into_iter()
                         .collect();
                     LiveStep::Events(events, change.resource_version)
@@ -508,6 +511,17 @@ fn event_line(kind: &str, object: &Value) -> Bytes {
     let mut line =
         serde_json::to_vec(&json!({"type": kind, "object": object})).expect("events serialize");
     line.push(b'\n');
+    Bytes::from(line)
+}
+
+/// `{"type":…,"object":…}` around an object already serialized (shared by the watchers).
+fn object_event_line(kind: &str, object_json: &Bytes) -> Bytes {
+    let mut line = Vec::with_capacity(object_json.len() + kind.len() + 24);
+    line.extend_from_slice(b"{\"type\":\"");
+    line.extend_from_slice(kind.as_bytes());
+    line.extend_from_slice(b"\",\"object\":");
+    line.extend_from_slice(object_json);
+    line.extend_from_slice(b"}\n");
     Bytes::from(line)
 }
 
@@ -577,6 +591,13 @@ pub async fn watch(
         Event::Object(kind, object) => {
             event_line(kind.as_str(), &render_object(resource, n, include, &object))
         }
+        Event::Change(kind, change) => match n.representation {
+            Representation::Object => object_event_line(kind.as_str(), change.object_json()),
+            _ => event_line(
+                kind.as_str(),
+                &render_object(resource, n, include, &change.object_with_version()),
+            ),
+        },
         Event::Bookmark {
             resource_version,
             initial_events_end,
@@ -654,12 +675,6 @@ fn check_watch_params(path: &ResourceRef, params: &Params) -> Result<(), ApiErro
         ));
     }
     Ok(())
-}
-
-fn with_rv(change: &Change) -> Value {
-    let mut object = (*change.object).clone();
-    object["metadata"]["resourceVersion"] = json!(change.resource_version.to_string());
-    object
 }
 
 /// A BOOKMARK object in the watch's representation; `initial_events_end` marks the end of a
@@ -784,6 +799,7 @@ mod tests {
             labels: labels(now),
             prev_labels: before.map(labels),
             object: Arc::new(object(name, rv)),
+            encoded: Default::default(),
         }
     }
 
@@ -818,6 +834,7 @@ mod tests {
                     t.as_str().to_owned(),
                     o["metadata"]["name"].as_str().unwrap().to_owned(),
                 ),
+                Event::Change(t, c) => (t.as_str().to_owned(), c.name.clone()),
                 Event::Bookmark {
                     resource_version, ..
                 } => ("BOOKMARK".to_owned(), resource_version.to_string()),
@@ -1103,6 +1120,44 @@ mod tests {
         assert_eq!(
             a.reconcile("other", "a", 6, EventType::Modified),
             Some(EventType::Added)
+        );
+    }
+}
+
+#[cfg(test)]
+mod encoding_tests {
+    use super::*;
+
+    #[test]
+    fn a_shared_change_is_encoded_once_as_the_object_with_its_version() {
+        let change = Change {
+            resource_version: 42,
+            resource: "policyreports.wgpolicyk8s.io".into(),
+            namespace: "ns".into(),
+            name: "a".into(),
+            event: EventType::Added,
+            labels: Default::default(),
+            prev_labels: None,
+            object: Arc::new(
+                json!({"kind": "PolicyReport", "metadata": {"name": "a", "resourceVersion": "7"}}),
+            ),
+            encoded: Default::default(),
+        };
+        let first = change.object_json().clone();
+        // The same buffer for the next watcher, not a new serialization.
+        assert_eq!(first.as_ptr(), change.object_json().as_ptr());
+        let line = object_event_line("ADDED", &first);
+        let parsed: Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(
+            parsed,
+            json!({"type": "ADDED", "object": {"kind": "PolicyReport", "metadata": {"name": "a", "resourceVersion": "42"}}})
+        );
+        assert!(line.ends_with(b"}\n"));
+        let per_watcher: Value =
+            serde_json::from_slice(&event_line("ADDED", &change.object_with_version())).unwrap();
+        assert_eq!(
+            parsed, per_watcher,
+            "the same event as the per-watcher path"
         );
     }
 }

@@ -57,6 +57,41 @@ pub struct Change {
     /// Labels before this change (`None` for creations).
     pub prev_labels: Option<std::collections::BTreeMap<String, String>>,
     pub object: Arc<Value>,
+    /// [`Change::object_json`], made by the first watcher that sends it.
+    pub encoded: std::sync::OnceLock<bytes::Bytes>,
+}
+
+impl PartialEq for Change {
+    fn eq(&self, other: &Self) -> bool {
+        self.resource_version == other.resource_version
+            && self.resource == other.resource
+            && self.namespace == other.namespace
+            && self.name == other.name
+            && self.event == other.event
+            && self.labels == other.labels
+            && self.prev_labels == other.prev_labels
+            && self.object == other.object
+    }
+}
+
+impl Change {
+    /// The object as it is sent: with this change's resourceVersion.
+    pub fn object_with_version(&self) -> Value {
+        let mut object = (*self.object).clone();
+        object["metadata"]["resourceVersion"] = Value::String(self.resource_version.to_string());
+        object
+    }
+
+    /// [`Change::object_with_version`] as JSON. Every watcher receiving this change as a whole
+    /// object shares these bytes: the change is serialized once, not once per watcher (the
+    /// live feed hands the same `Arc<Change>` to all of them).
+    pub fn object_json(&self) -> &bytes::Bytes {
+        self.encoded.get_or_init(|| {
+            bytes::Bytes::from(
+                serde_json::to_vec(&self.object_with_version()).expect("objects serialize"),
+            )
+        })
+    }
 }
 
 /// Capacity of the fan-out buffer; a watcher more than this many events behind is cut off.
@@ -222,6 +257,7 @@ pub async fn read_changes(
                     StoreError::Corrupt(format!("change {rv} previous labels"), e.to_string())
                 })?,
                 object: Arc::new(parse_document(&format!("change {rv}"), &body)?),
+                encoded: Default::default(),
             })
         })
         .collect()
