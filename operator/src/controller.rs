@@ -41,6 +41,7 @@ use crate::http::Metrics;
 use crate::migration::mailbox::Report;
 use crate::status::{self, Outcome};
 use crate::{FIELD_MANAGER, FINALIZER, MANAGED_BY, OWNER_ANNOTATION, tls};
+use reports_server_crds::catalog::GROUP_VERSIONS;
 
 /// Errors of one reconcile; all are retried by [`error_policy`] with backoff.
 #[derive(Debug, thiserror::Error)]
@@ -588,6 +589,12 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
 
         // APIServices that exist and are not ours: left alone unless takeover is asked for.
         let apiservices: Api<APIService> = Api::all(ctx.client.clone());
+        // Read once: both the hand-back of turned-off groups and status.migration use it.
+        let worker = if rs.spec.migration.enabled {
+            worker_report(ctx, rs).await?
+        } else {
+            None
+        };
         let mut foreign = Vec::new();
         let mut migrating = Vec::new();
         let mut groups = Vec::new();
@@ -695,7 +702,7 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
         }
         // Groups turned off: remove our APIService (kube-apiserver re-creates a Local one if a
         // CRD for the group exists).
-        for (version, group) in ALL_GROUPS {
+        for (group, version) in GROUP_VERSIONS {
             if rs.spec.enabled_groups().contains(&(version, group)) {
                 continue;
             }
@@ -703,7 +710,7 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
             if let Some(existing) = get_opt(&apiservices, &name).await?
                 && is_ours(&existing, rs)
             {
-                if hands_back(rs) && worker_seen(ctx, rs).await? {
+                if hands_back(rs) && worker.is_some() {
                     // The server's worker hands the group back with its reports (the mailbox no
                     // longer lists it); once Local it is released here.
                     if describe_target(&existing).starts_with("Local") {
@@ -731,7 +738,7 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
                 .map(|(_, g)| g.to_string())
                 .collect();
             status.migration =
-                migration_status(ctx, rs, previous.migration.as_ref(), &wanted).await?;
+                migration_status(rs, worker.as_ref(), previous.migration.as_ref(), &wanted);
         }
         let all_available = groups
             .iter()
@@ -759,20 +766,12 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
             break 'outcome Outcome::progressing(
                 "Migrating",
                 format!(
-                    "moving the reports of {} between CRD storage and the database: {}, {} of {} copied{}",
+                    "moving the reports of {} between CRD storage and the database: {}",
                     migrating.join(", "),
-                    if m.phase.is_empty() {
+                    migration_progress(
+                        &m,
                         "waiting for the server's migration worker (serve --migrate-from-crds; spec.migration.enabled: false leaves such groups alone)"
-                    } else {
-                        &m.phase
-                    },
-                    m.copied,
-                    m.total,
-                    if m.message.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; last error (retried): {}", m.message)
-                    }
+                    ),
                 ),
             );
         }
@@ -881,44 +880,58 @@ async fn release_apiservice(apiservices: &Api<APIService>, name: &str) -> Result
     Ok(())
 }
 
-/// Whether a migration worker ever reported in the mailbox. Only a server running one can hand
-/// back; one that never reported (an external server started without `--migrate-from-crds`, a
-/// server that never came up) cannot, and nothing may wait for it forever.
-async fn worker_seen(ctx: &Context, rs: &ReportsServer) -> Result<bool, kube::Error> {
+/// What the server's migration worker last reported in the mailbox; `None` when no worker ever
+/// reported. Only a server running one can hand back; one that never reported (an external
+/// server started without `--migrate-from-crds`, a server that never came up) cannot, and
+/// nothing may wait for it forever.
+async fn worker_report(ctx: &Context, rs: &ReportsServer) -> Result<Option<Report>, kube::Error> {
     let configmaps: Api<ConfigMap> =
         Api::namespaced(ctx.client.clone(), &rs.namespace().unwrap_or_default());
     Ok(get_opt(&configmaps, &desired::migration_mailbox_name(rs))
         .await?
-        .is_some_and(|cm| {
-            Report::from_data(&cm.data.unwrap_or_default())
-                .phase
-                .is_some()
-        }))
+        .map(|cm| Report::from_data(&cm.data.unwrap_or_default()))
+        .filter(|r| r.phase.is_some()))
 }
 
-/// `status.migration` from the server's report in the mailbox (`None` before any report).
-async fn migration_status(
-    ctx: &Context,
+/// `status.migration` from the worker's report (the previous one before any report).
+fn migration_status(
     rs: &ReportsServer,
+    report: Option<&Report>,
     previous: Option<&reports_server_crds::reportsserver::MigrationStatus>,
     wanted: &[String],
-) -> Result<Option<reports_server_crds::reportsserver::MigrationStatus>, kube::Error> {
-    let configmaps: Api<ConfigMap> =
-        Api::namespaced(ctx.client.clone(), &rs.namespace().unwrap_or_default());
-    let Some(cm) = get_opt(&configmaps, &desired::migration_mailbox_name(rs)).await? else {
-        return Ok(previous.cloned());
+) -> Option<reports_server_crds::reportsserver::MigrationStatus> {
+    let Some(report) = report else {
+        return previous.cloned();
     };
-    let report = Report::from_data(&cm.data.unwrap_or_default());
-    if report.phase.is_none() {
-        return Ok(previous.cloned());
-    }
-    Ok(Some(status::migration_status(
+    Some(status::migration_status(
         previous,
-        &report,
+        report,
         wanted,
         rs.metadata.generation,
         Time(k8s_openapi::jiff::Timestamp::now()),
-    )))
+    ))
+}
+
+/// "phase, copied of total[; last error]" for the messages of a migration that is under way.
+fn migration_progress(
+    m: &reports_server_crds::reportsserver::MigrationStatus,
+    waiting: &str,
+) -> String {
+    format!(
+        "{}, {} of {} copied{}",
+        if m.phase.is_empty() {
+            waiting
+        } else {
+            &m.phase
+        },
+        m.copied,
+        m.total,
+        if m.message.is_empty() {
+            String::new()
+        } else {
+            format!("; last error (retried): {}", m.message)
+        }
+    )
 }
 
 /// Deletion with `spec.migration.handBackOnDelete`: the mailbox asks the server to serve no
@@ -928,7 +941,7 @@ async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
     let ns = rs.namespace().unwrap_or_default();
     let apiservices: Api<APIService> = Api::all(ctx.client.clone());
     let mut routed = Vec::new();
-    for (version, group) in ALL_GROUPS {
+    for (group, version) in GROUP_VERSIONS {
         let name = format!("{version}.{group}");
         if let Some(existing) = get_opt(&apiservices, &name).await?
             && routes_to_us(&existing, rs)
@@ -936,7 +949,8 @@ async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
             routed.push(name);
         }
     }
-    if !worker_seen(ctx, rs).await? {
+    let report = worker_report(ctx, rs).await?;
+    if report.is_none() {
         if !routed.is_empty() {
             ctx.event(
                 rs,
@@ -954,7 +968,7 @@ async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
     }
     apply(&ctx.client, &desired::migration_mailbox(rs, &[])).await?;
     let previous = rs.status.clone().unwrap_or_default();
-    let migration = migration_status(ctx, rs, previous.migration.as_ref(), &[]).await?;
+    let migration = migration_status(rs, report.as_ref(), previous.migration.as_ref(), &[]);
     let answered = migration.as_ref().is_some_and(|m| m.phase == "Complete")
         && migration
             .as_ref()
@@ -972,27 +986,16 @@ async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
     if !routed.is_empty() || !answered {
         let m = migration.unwrap_or_default();
         return Err(Error::HandBackPending(format!(
-            "the server hands {} back to CRD storage before the ReportsServer is deleted ({}, {} of {} written back{}); to delete without handing back, set spec.migration.handBackOnDelete: false",
+            "the server hands {} back to CRD storage before the ReportsServer is deleted ({}); to delete without handing back, set spec.migration.handBackOnDelete: false",
             if routed.is_empty() {
                 "the report groups".to_string()
             } else {
                 routed.join(", ")
             },
-            if m.phase.is_empty() {
-                "waiting for the server"
-            } else {
-                &m.phase
-            },
-            m.copied,
-            m.total,
-            if m.message.is_empty() {
-                String::new()
-            } else {
-                format!("; last error (retried): {}", m.message)
-            },
+            migration_progress(&m, "waiting for the server"),
         )));
     }
-    for (version, group) in ALL_GROUPS {
+    for (group, version) in GROUP_VERSIONS {
         let name = format!("{version}.{group}");
         if let Some(existing) = get_opt(&apiservices, &name).await?
             && is_ours(&existing, rs)
@@ -1011,12 +1014,6 @@ async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
     Ok(())
 }
 
-const ALL_GROUPS: [(&str, &str); 3] = [
-    ("v1alpha2", "wgpolicyk8s.io"),
-    ("v1", "reports.kyverno.io"),
-    ("v1alpha1", "openreports.io"),
-];
-
 /// Deletion: the hand-back when asked for, then APIServices, then what ownerReferences cannot
 /// reach.
 async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action, Error> {
@@ -1025,7 +1022,7 @@ async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action, Error> {
     }
     let apiservices: Api<APIService> = Api::all(ctx.client.clone());
     let mut removed = Vec::new();
-    for (version, group) in ALL_GROUPS {
+    for (group, version) in GROUP_VERSIONS {
         let name = format!("{version}.{group}");
         if let Some(existing) = get_opt(&apiservices, &name).await?
             && is_ours(&existing, rs)

@@ -1097,6 +1097,18 @@ async fn migration_resumes_after_a_kill_in_each_phase() -> Result<()> {
     Ok(())
 }
 
+/// Ends a migration for the writer, lets it write 2 s more, then stops it.
+async fn stop_writer(
+    migrating: &AtomicBool,
+    stop: &AtomicBool,
+    writer_task: tokio::task::JoinHandle<()>,
+) -> Result<()> {
+    migrating.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::SeqCst);
+    Ok(writer_task.await?)
+}
+
 /// Reads the migration mailbox's `phase` (what the server's worker last published).
 fn mailbox_phase(admin: &Kubectl) -> String {
     admin
@@ -1301,10 +1313,7 @@ async fn operator_moves_reports_in_and_hands_them_back_on_delete() -> Result<()>
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let wall = t.elapsed();
-    migrating.store(false, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::SeqCst);
-    writer_task.await?;
+    stop_writer(&migrating, &stop, writer_task).await?;
     ensure!(
         kills.iter().any(|k| k.starts_with("server during")),
         "no kill happened during the copy (it was over before the first look): {kills:?}"
@@ -1447,10 +1456,7 @@ async fn operator_moves_reports_in_and_hands_them_back_on_delete() -> Result<()>
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let handback_wall = t.elapsed();
-    migrating.store(false, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::SeqCst);
-    writer_task.await?;
+    stop_writer(&migrating, &stop, writer_task).await?;
     for name in API_SERVICES {
         let a: Value =
             serde_json::from_str(&env.admin.run(&["get", "apiservice", name, "-o", "json"])?)?;

@@ -159,7 +159,7 @@ pub struct Progress {
 }
 
 /// Where a run is; published in the operator's status (`status.migration.phase`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Phase {
     /// Nothing to move: every wanted group is served by the server, the others by CRD storage.
     #[default]
