@@ -444,3 +444,52 @@ async fn each_version_reaches_a_resumed_watch_with_one_body_copy_stored() {
         assert_eq!(with_body, 4, "{backend:?}");
     }
 }
+
+/// A database written before `m20261124_000004_one_body_copy` (a body in every change-log
+/// entry) loses the repeated bodies when the migration runs, and the documented downgrade
+/// statement puts them back; watches read the same events throughout.
+#[tokio::test]
+async fn the_one_body_copy_migration_and_its_downgrade_keep_every_event() {
+    use sea_orm::{ConnectionTrait, Database, Statement};
+    const RESTORE: &str = "UPDATE changes SET body = (SELECT o.body FROM objects o \
+        WHERE o.cluster_id = changes.cluster_id AND o.resource = changes.resource \
+        AND o.namespace = changes.namespace AND o.name = changes.name \
+        AND o.resource_version = changes.rv) WHERE body = ''";
+    const FORGET: &str =
+        "DELETE FROM seaql_migrations WHERE version = 'm20261124_000004_one_body_copy'";
+    const WITH_BODY: &str = "SELECT COUNT(*) AS n FROM changes WHERE body <> ''";
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, url) = open(backend, dir.path()).await;
+        let (start, _) = store.versions().await.unwrap();
+        for n in 0..5 {
+            put(&store, "ns-a", &format!("r-{n:05}"), report("ns-a", n, &[])).await;
+        }
+        put(&store, "ns-a", "r-00000", report("ns-a", 0, &[("step", "two")])).await;
+        let events = |changes: Vec<reports_server_apiserver::store::Change>| {
+            changes
+                .into_iter()
+                .map(|c| (c.resource_version, (*c.object).clone()))
+                .collect::<Vec<_>>()
+        };
+        let before = events(read_changes(&store, start, None, 100).await.unwrap());
+        drop(store);
+
+        let db = Database::connect(url.as_str()).await.unwrap();
+        let sql = |s: &str| Statement::from_string(db.get_database_backend(), s.to_owned());
+        let with_body = async |db: &sea_orm::DatabaseConnection| -> i64 {
+            let row = db.query_one_raw(sql(WITH_BODY)).await.unwrap().unwrap();
+            row.try_get("", "n").unwrap()
+        };
+        // Downgrade: every entry has its body, as older releases wrote them.
+        db.execute_raw(sql(RESTORE)).await.unwrap();
+        db.execute_raw(sql(FORGET)).await.unwrap();
+        assert_eq!(with_body(&db).await, 6, "{backend:?}");
+
+        // Upgrade again: the migration empties the five current versions' copies.
+        let store = Store::connect(StoreOptions::new(url.clone())).await.unwrap();
+        assert_eq!(with_body(&db).await, 1, "{backend:?}");
+        let after = events(read_changes(&store, start, None, 100).await.unwrap());
+        assert_eq!(after, before, "{backend:?}");
+    }
+}
