@@ -761,6 +761,25 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
                 ),
             );
         }
+        // The worker switches the APIServices before it reports its run Complete: until it
+        // does, Ready would contradict status.migration (and a client could still meet the
+        // fence's refusals).
+        let worker_moving = worker
+            .as_ref()
+            .and_then(|w| w.phase)
+            .filter(|p| p.moves_in());
+        if migrating.is_empty()
+            && let Some(phase) = worker_moving
+        {
+            let m = status.migration.clone().unwrap_or_default();
+            break 'outcome Outcome::progressing(
+                "Migrating",
+                format!(
+                    "the server's migration worker has not finished its run: {}",
+                    migration_progress(&m, phase.as_str())
+                ),
+            );
+        }
         if !migrating.is_empty() {
             let m = status.migration.clone().unwrap_or_default();
             break 'outcome Outcome::progressing(

@@ -181,6 +181,15 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// Reports are on their way into the database (the groups may already route to the server:
+    /// the switch comes before the run reports Complete).
+    pub fn moves_in(self) -> bool {
+        matches!(
+            self,
+            Phase::Copying | Phase::Fencing | Phase::Verifying | Phase::Switching
+        )
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Phase::Complete => "Complete",
