@@ -169,6 +169,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 args.reports
             ),
         ));
+        // What the store keeps per report, against the JSON a client sent (`sample` bytes).
+        if let Some(bytes) = server.store.storage_bytes().await? {
+            let per_report = bytes as f64 / args.reports as f64;
+            rows.push((
+                "stored (tables + indexes)".into(),
+                format!(
+                    "{} ({:.1} KB per report, {:.2}x the report's JSON)",
+                    mb(bytes),
+                    per_report / 1e3,
+                    per_report / sample as f64
+                ),
+            ));
+        }
     }
     let api: Api<PolicyReport> = Api::all(client.clone());
     if phases.contains(&"list") {

@@ -354,3 +354,142 @@ async fn the_current_resource_version_is_never_zero() {
         );
     }
 }
+
+/// The change log does not repeat the body of an object's current version (it reads it from the
+/// object's row), yet a watch resumed from before a series of writes still gets every version as
+/// it was written: the write that supersedes a version moves its body into the log.
+#[tokio::test]
+async fn each_version_reaches_a_resumed_watch_with_one_body_copy_stored() {
+    use sea_orm::{ConnectionTrait, Database, Statement};
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, url) = open(backend, dir.path()).await;
+        let (start, _) = store.versions().await.unwrap();
+        let mut written = Vec::new();
+        for step in ["one", "two", "three"] {
+            let object = report("ns-a", 1, &[("step", step)]);
+            let rv = put(&store, "ns-a", "r-00001", object.clone()).await;
+            written.push((rv, Some(step)));
+        }
+        put(
+            &store,
+            "ns-a",
+            "r-00002",
+            report("ns-a", 2, &[("step", "kept")]),
+        )
+        .await;
+        let deleted = store
+            .mutate::<StoreError, _>(&POLICY_REPORT, "ns-a", "r-00001", false, |_| {
+                Ok(Mutation::Delete)
+            })
+            .await
+            .unwrap();
+        written.push((deleted.resource_version, Some("three")));
+
+        let changes = read_changes(&store, start, None, 100).await.unwrap();
+        let seen: Vec<(i64, String, Option<String>, String)> = changes
+            .iter()
+            .map(|c| {
+                (
+                    c.resource_version,
+                    c.name.clone(),
+                    c.object["metadata"]["labels"]["step"]
+                        .as_str()
+                        .map(str::to_owned),
+                    c.object["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned(),
+                )
+            })
+            .collect();
+        let expected = vec![
+            (written[0].0, "r-00001".to_owned(), Some("one".to_owned())),
+            (written[1].0, "r-00001".to_owned(), Some("two".to_owned())),
+            (written[2].0, "r-00001".to_owned(), Some("three".to_owned())),
+            (
+                written[2].0 + 1,
+                "r-00002".to_owned(),
+                Some("kept".to_owned()),
+            ),
+            (written[3].0, "r-00001".to_owned(), Some("three".to_owned())),
+        ];
+        assert_eq!(
+            seen.iter()
+                .map(|(rv, name, step, _)| (*rv, name.clone(), step.clone()))
+                .collect::<Vec<_>>(),
+            expected,
+            "{backend:?}"
+        );
+        for (rv, _, _, body_rv) in &seen {
+            assert_eq!(
+                body_rv,
+                &rv.to_string(),
+                "{backend:?}: each event's own version"
+            );
+        }
+
+        // Stored: a body for each superseded version (two updates' predecessors, the last
+        // state before the delete, the delete itself) but none for r-00002's current version.
+        let db = Database::connect(url.as_str()).await.unwrap();
+        let row = db
+            .query_one_raw(Statement::from_string(
+                db.get_database_backend(),
+                "SELECT COUNT(*) AS n FROM changes WHERE body <> ''",
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        let with_body: i64 = row.try_get("", "n").unwrap();
+        assert_eq!(with_body, 4, "{backend:?}");
+    }
+}
+
+/// A database written before `m20261124_000004_one_body_copy` (a body in every change-log
+/// entry) loses the repeated bodies when the migration runs, and the documented downgrade
+/// statement puts them back; watches read the same events throughout.
+#[tokio::test]
+async fn the_one_body_copy_migration_and_its_downgrade_keep_every_event() {
+    use sea_orm::{ConnectionTrait, Database, Statement};
+    const RESTORE: &str = "UPDATE changes SET body = (SELECT o.body FROM objects o \
+        WHERE o.cluster_id = changes.cluster_id AND o.resource = changes.resource \
+        AND o.namespace = changes.namespace AND o.name = changes.name \
+        AND o.resource_version = changes.rv) WHERE body = ''";
+    const FORGET: &str =
+        "DELETE FROM seaql_migrations WHERE version = 'm20261124_000004_one_body_copy'";
+    const WITH_BODY: &str = "SELECT COUNT(*) AS n FROM changes WHERE body <> ''";
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, url) = open(backend, dir.path()).await;
+        let (start, _) = store.versions().await.unwrap();
+        for n in 0..5 {
+            put(&store, "ns-a", &format!("r-{n:05}"), report("ns-a", n, &[])).await;
+        }
+        put(&store, "ns-a", "r-00000", report("ns-a", 0, &[("step", "two")])).await;
+        let events = |changes: Vec<reports_server_apiserver::store::Change>| {
+            changes
+                .into_iter()
+                .map(|c| (c.resource_version, (*c.object).clone()))
+                .collect::<Vec<_>>()
+        };
+        let before = events(read_changes(&store, start, None, 100).await.unwrap());
+        drop(store);
+
+        let db = Database::connect(url.as_str()).await.unwrap();
+        let sql = |s: &str| Statement::from_string(db.get_database_backend(), s.to_owned());
+        let with_body = async |db: &sea_orm::DatabaseConnection| -> i64 {
+            let row = db.query_one_raw(sql(WITH_BODY)).await.unwrap().unwrap();
+            row.try_get("", "n").unwrap()
+        };
+        // Downgrade: every entry has its body, as older releases wrote them.
+        db.execute_raw(sql(RESTORE)).await.unwrap();
+        db.execute_raw(sql(FORGET)).await.unwrap();
+        assert_eq!(with_body(&db).await, 6, "{backend:?}");
+
+        // Upgrade again: the migration empties the five current versions' copies.
+        let store = Store::connect(StoreOptions::new(url.clone())).await.unwrap();
+        assert_eq!(with_body(&db).await, 1, "{backend:?}");
+        let after = events(read_changes(&store, start, None, 100).await.unwrap());
+        assert_eq!(after, before, "{backend:?}");
+    }
+}

@@ -10,12 +10,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use sea_orm::sea_query::{Expr, ExprTrait, Order, Query};
+use sea_orm::sea_query::{Alias, Condition, Expr, ExprTrait, Order, Query};
 use sea_orm::{ConnectionTrait, DbBackend};
 use serde_json::Value;
 use tokio::sync::{Notify, broadcast};
 
-use super::schema::Changes;
+use super::schema::{Changes, Objects};
+use super::write::BODY_IN_OBJECTS;
 use super::{Store, StoreError, parse_document};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,6 +210,9 @@ impl ChangeFeed {
     }
 }
 
+/// The PostgreSQL channel on which a write transaction announces its commit to other replicas.
+pub(super) const NOTIFY_CHANNEL: &str = "reports_server_changes";
+
 /// Reads change-log entries with `after < rv <= up_to`, in order.
 pub async fn read_changes(
     store: &Store,
@@ -216,24 +220,57 @@ pub async fn read_changes(
     up_to: Option<i64>,
     limit: u64,
 ) -> Result<Vec<Change>, StoreError> {
+    // The entry of an object's current version keeps its body in the `objects` row (see
+    // `write`): the join finds that row at exactly this version.
     let mut q = Query::select();
-    q.columns([
-        Changes::Rv,
-        Changes::Resource,
-        Changes::Namespace,
-        Changes::Name,
-        Changes::EventType,
-        Changes::Labels,
-        Changes::PrevLabels,
-        Changes::Body,
-    ])
+    q.columns(
+        [
+            Changes::Rv,
+            Changes::Resource,
+            Changes::Namespace,
+            Changes::Name,
+            Changes::EventType,
+            Changes::Labels,
+            Changes::PrevLabels,
+        ]
+        .map(|c| (Changes::Table, c)),
+    )
+    .expr_as(
+        Expr::case(
+            Expr::col((Changes::Table, Changes::Body)).eq(BODY_IN_OBJECTS),
+            Expr::col((Objects::Table, Objects::Body)),
+        )
+        .finally(Expr::col((Changes::Table, Changes::Body))),
+        Alias::new("body"),
+    )
     .from(Changes::Table)
-    .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
-    .and_where(Expr::col(Changes::Rv).gt(after))
-    .order_by(Changes::Rv, Order::Asc)
+    .left_join(
+        Objects::Table,
+        Condition::all()
+            .add(
+                Expr::col((Objects::Table, Objects::ClusterId))
+                    .equals((Changes::Table, Changes::ClusterId)),
+            )
+            .add(
+                Expr::col((Objects::Table, Objects::Resource))
+                    .equals((Changes::Table, Changes::Resource)),
+            )
+            .add(
+                Expr::col((Objects::Table, Objects::Namespace))
+                    .equals((Changes::Table, Changes::Namespace)),
+            )
+            .add(Expr::col((Objects::Table, Objects::Name)).equals((Changes::Table, Changes::Name)))
+            .add(
+                Expr::col((Objects::Table, Objects::ResourceVersion))
+                    .equals((Changes::Table, Changes::Rv)),
+            ),
+    )
+    .and_where(Expr::col((Changes::Table, Changes::ClusterId)).eq(store.cluster_id()))
+    .and_where(Expr::col((Changes::Table, Changes::Rv)).gt(after))
+    .order_by((Changes::Table, Changes::Rv), Order::Asc)
     .limit(limit);
     if let Some(up_to) = up_to {
-        q.and_where(Expr::col(Changes::Rv).lte(up_to));
+        q.and_where(Expr::col((Changes::Table, Changes::Rv)).lte(up_to));
     }
     let rows = store.connection().query_all(&q).await?;
     rows.iter()
@@ -241,7 +278,14 @@ pub async fn read_changes(
             let rv: i64 = r.try_get("", "rv")?;
             let event: String = r.try_get("", "event_type")?;
             let labels: String = r.try_get("", "labels")?;
-            let body: String = r.try_get("", "body")?;
+            // Both copies gone would be a broken invariant of `write`, not a race: the entry
+            // and the row change in one transaction and this is one statement.
+            let body: String = r.try_get::<Option<String>>("", "body")?.ok_or_else(|| {
+                StoreError::Corrupt(
+                    format!("change {rv}"),
+                    "its body is neither in the change log nor in the object's row".into(),
+                )
+            })?;
             let prev_labels: String = r.try_get("", "prev_labels")?;
             Ok(Change {
                 resource_version: rv,
@@ -269,7 +313,7 @@ fn spawn_pg_listener(store: Store, feed: ChangeFeed) {
             let pool = store.connection().get_postgres_connection_pool().clone();
             match sqlx::postgres::PgListener::connect_with(&pool).await {
                 Ok(mut listener) => {
-                    if let Err(e) = listener.listen("reports_server_changes").await {
+                    if let Err(e) = listener.listen(NOTIFY_CHANNEL).await {
                         tracing::warn!(error = %e, "LISTEN failed; relying on polling");
                     } else {
                         // Anything committed while we were not listening is picked up here.

@@ -300,6 +300,45 @@ impl Store {
         read::versions(&self.db, self.backend, &self.cluster_id).await
     }
 
+    /// Bytes the store's tables and indexes take on disk, for capacity figures (`bench`). On
+    /// SQLite the write-ahead log is checkpointed first so the file holds everything, and free
+    /// pages are not counted; on PostgreSQL it is `pg_total_relation_size` (TOAST and indexes
+    /// included) of the store's tables. Other backends: `None`.
+    pub async fn storage_bytes(&self) -> Result<Option<u64>, StoreError> {
+        let single = |sql: &str| Statement::from_string(self.backend, sql.to_owned());
+        let bytes: i64 = match self.backend {
+            DbBackend::Sqlite => {
+                self.db
+                    .execute_raw(single("PRAGMA wal_checkpoint(TRUNCATE)"))
+                    .await?;
+                let row = self
+                    .db
+                    .query_one_raw(single(
+                        "SELECT (p.page_count - f.freelist_count) * s.page_size AS n \
+                         FROM pragma_page_count() p, pragma_freelist_count() f, \
+                         pragma_page_size() s",
+                    ))
+                    .await?;
+                row.map(|r| r.try_get("", "n")).transpose()?.unwrap_or(0)
+            }
+            DbBackend::Postgres => {
+                let row = self
+                    .db
+                    .query_one_raw(single(
+                        "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0)::bigint AS n \
+                         FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace \
+                         WHERE s.nspname = current_schema() AND c.relkind = 'r' \
+                         AND c.relname IN ('objects', 'object_labels', 'changes', 'results', \
+                         'store_state')",
+                    ))
+                    .await?;
+                row.map(|r| r.try_get("", "n")).transpose()?.unwrap_or(0)
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(bytes.max(0) as u64))
+    }
+
     /// The resource key used in the `resource` columns: `<plural>.<group>`.
     pub fn resource_key(desc: &ResourceDescriptor) -> String {
         desc.crd_name()

@@ -3,14 +3,23 @@
 //! writes the object, its labels and its result rows, and (5) appends to the change log. Because
 //! the caller's decision happens under the lock, read-modify-write requests (patch, apply,
 //! finalizer removal) never race and never need a retry loop.
+//!
+//! One copy of each body: the change-log entry of an object's current version does not repeat
+//! the body the `objects` row holds (its `body` is [`BODY_IN_OBJECTS`], and the feed reads it
+//! through a join). The write that supersedes that version moves the old body into the entry,
+//! in the same transaction, so a watch resuming from an older resourceVersion still gets each
+//! version as it was. Only versions inside the retention window are ever stored twice over.
 
 use reports_server_crds::ResourceDescriptor;
-use sea_orm::sea_query::{Expr, ExprTrait, OnConflict, Query};
+use sea_orm::sea_query::{
+    Alias, CommonTableExpression, Expr, ExprTrait, Func, InsertStatement, OnConflict, Query,
+    WithClause,
+};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, TransactionTrait};
 use serde_json::Value;
 
-use super::columns::{ObjectColumns, result_rows};
-use super::feed::EventType;
+use super::columns::{ObjectColumns, ResultRow, result_rows};
+use super::feed::{EventType, NOTIFY_CHANNEL};
 use super::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
 use super::{Store, StoreError, parse_document};
 
@@ -40,6 +49,14 @@ pub struct Target<'a> {
     pub namespace: &'a str,
     pub name: &'a str,
 }
+
+/// The change-log `body` of an entry whose body is the `objects` row's (see the module docs).
+/// No JSON document is empty, so it cannot be mistaken for one.
+pub(super) const BODY_IN_OBJECTS: &str = "";
+
+/// Result rows per INSERT: far below every backend's bind-parameter limit (SQLite 32766,
+/// PostgreSQL 65535) at 20 columns a row.
+const RESULT_ROWS_PER_STATEMENT: usize = 1000;
 
 fn now_unix() -> i64 {
     std::time::SystemTime::now()
@@ -183,16 +200,7 @@ impl Store {
     {
         // Take the counter's row lock first: it orders this transaction against every other
         // writer, in this process or another one.
-        txn.execute(
-            &Query::update()
-                .table(StoreState::Table)
-                .value(StoreState::Rv, Expr::col(StoreState::Rv))
-                .and_where(Expr::col(StoreState::ClusterId).eq(self.cluster_id()))
-                .to_owned(),
-        )
-        .await
-        .map_err(StoreError::from)?;
-        let (base_rv, _) = super::read::versions(txn, self.backend(), self.cluster_id()).await?;
+        let (base_rv, _) = lock_counter(txn, self.backend(), self.cluster_id()).await?;
         let mut rv = base_rv;
         let mut outcomes = Vec::with_capacity(targets.len());
         let now = now_unix();
@@ -200,7 +208,7 @@ impl Store {
             let key = Store::resource_key(target.resource);
             let current = self.locked_current(txn, &key, target).await?;
             let current_object = match &current {
-                Some((_, body)) => Some(parse_document(
+                Some(Current { body, .. }) => Some(parse_document(
                     &format!("{}/{}", target.namespace, target.name),
                     body,
                 )?),
@@ -215,27 +223,34 @@ impl Store {
                 Mutation::Put(mut object) => {
                     rv += 1;
                     object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                    let event = match current {
-                        Some((id, _)) => {
-                            self.update_row(txn, id, target, &object, rv).await?;
-                            EventType::Modified
-                        }
-                        None => {
-                            self.insert_row(txn, &key, target, &object, rv).await?;
-                            EventType::Added
-                        }
+                    let body = object.to_string();
+                    let event = if current.is_some() {
+                        EventType::Modified
+                    } else {
+                        EventType::Added
                     };
-                    self.append_change(
-                        txn,
+                    let change = self.change_insert(
                         &key,
                         target,
                         event,
                         &object,
                         current_object.as_ref(),
+                        BODY_IN_OBJECTS.to_owned(),
                         rv,
                         now,
-                    )
-                    .await?;
+                    );
+                    match current {
+                        Some(current) => {
+                            self.retire_body(txn, current.rv, current.body).await?;
+                            self.update_row(txn, current.id, target, &object, body, rv)
+                                .await?;
+                            txn.execute(&change).await.map_err(StoreError::from)?;
+                        }
+                        None => {
+                            self.insert_row(txn, &key, target, &object, body, rv, change)
+                                .await?;
+                        }
+                    }
                     WriteOutcome {
                         object: Some(object),
                         event: Some(event),
@@ -243,22 +258,25 @@ impl Store {
                     }
                 }
                 Mutation::Delete => match (current, current_object) {
-                    (Some((id, _)), Some(mut object)) => {
+                    (Some(current), Some(mut object)) => {
                         rv += 1;
-                        self.delete_row(txn, id).await?;
+                        self.retire_body(txn, current.rv, current.body).await?;
+                        self.delete_row(txn, current.id).await?;
                         object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
                         let previous = object.clone();
-                        self.append_change(
-                            txn,
+                        // The row is gone: the entry keeps the last state itself.
+                        let body = object.to_string();
+                        let change = self.change_insert(
                             &key,
                             target,
                             EventType::Deleted,
                             &object,
                             Some(&previous),
+                            body,
                             rv,
                             now,
-                        )
-                        .await?;
+                        );
+                        txn.execute(&change).await.map_err(StoreError::from)?;
                         WriteOutcome {
                             object: Some(object),
                             event: Some(EventType::Deleted),
@@ -275,19 +293,23 @@ impl Store {
             outcomes.push(outcome);
         }
         if rv != base_rv {
-            txn.execute(
-                &Query::update()
-                    .table(StoreState::Table)
-                    .value(StoreState::Rv, rv)
-                    .and_where(Expr::col(StoreState::ClusterId).eq(self.cluster_id()))
-                    .to_owned(),
-            )
-            .await
-            .map_err(StoreError::from)?;
+            let mut advance = Query::update();
+            advance
+                .table(StoreState::Table)
+                .value(StoreState::Rv, rv)
+                .and_where(Expr::col(StoreState::ClusterId).eq(self.cluster_id()));
             if self.backend() == DbBackend::Postgres {
-                txn.execute_unprepared(&format!("NOTIFY reports_server_changes, '{rv}'"))
-                    .await
-                    .map_err(StoreError::from)?;
+                // The wake-up for other replicas rides on the same round trip (NOTIFY is
+                // delivered at commit, like the statement itself).
+                advance.returning(
+                    Query::returning().expr(
+                        Func::cust("pg_notify")
+                            .args([Expr::val(NOTIFY_CHANNEL), Expr::val(rv.to_string())]),
+                    ),
+                );
+                txn.query_one(&advance).await.map_err(StoreError::from)?;
+            } else {
+                txn.execute(&advance).await.map_err(StoreError::from)?;
             }
         }
         Ok((outcomes, rv != base_rv))
@@ -298,11 +320,11 @@ impl Store {
         txn: &DatabaseTransaction,
         key: &str,
         t: &Target<'_>,
-    ) -> Result<Option<(i64, String)>, StoreError> {
+    ) -> Result<Option<Current>, StoreError> {
         let row = txn
             .query_one(
                 &Query::select()
-                    .columns([Objects::Id, Objects::Body])
+                    .columns([Objects::Id, Objects::ResourceVersion, Objects::Body])
                     .from(Objects::Table)
                     .and_where(Expr::col(Objects::ClusterId).eq(self.cluster_id()))
                     .and_where(Expr::col(Objects::Resource).eq(key))
@@ -312,20 +334,53 @@ impl Store {
             )
             .await?;
         match row {
-            Some(r) => Ok(Some((r.try_get("", "id")?, r.try_get("", "body")?))),
+            Some(r) => Ok(Some(Current {
+                id: r.try_get("", "id")?,
+                rv: r.try_get("", "resource_version")?,
+                body: r.try_get("", "body")?,
+            })),
             None => Ok(None),
         }
     }
 
+    /// Version `rv` of an object is being superseded: its change-log entry, which so far read
+    /// the body from the `objects` row, gets the body itself (if the entry is still retained).
+    async fn retire_body(
+        &self,
+        txn: &DatabaseTransaction,
+        rv: i64,
+        body: String,
+    ) -> Result<(), StoreError> {
+        txn.execute(
+            &Query::update()
+                .table(Changes::Table)
+                .value(Changes::Body, body)
+                .and_where(Expr::col(Changes::ClusterId).eq(self.cluster_id()))
+                .and_where(Expr::col(Changes::Rv).eq(rv))
+                .and_where(Expr::col(Changes::Body).eq(BODY_IN_OBJECTS))
+                .to_owned(),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Inserts a new object with its labels, result rows and change-log entry (`change`). On
+    /// PostgreSQL that is one statement (the side rows take the new id from a data-modifying
+    /// CTE), elsewhere one statement each: a create is the commonest write (Kyverno's
+    /// ephemeral reports) and every round trip is paid under the write lock.
+    #[allow(clippy::too_many_arguments)]
     async fn insert_row(
         &self,
         txn: &DatabaseTransaction,
         key: &str,
         t: &Target<'_>,
         object: &Value,
+        body: String,
         rv: i64,
+        change: InsertStatement,
     ) -> Result<(), StoreError> {
         let cols = ObjectColumns::of(t.resource, object);
+        let results = result_rows(t.resource, object);
         let mut insert = Query::insert();
         insert
             .into_table(Objects::Table)
@@ -373,20 +428,66 @@ impl Store {
                 cols.scope_name.clone().into(),
                 cols.scope_uid.clone().into(),
                 cols.metadata.clone().into(),
-                object.to_string().into(),
+                body.into(),
             ]);
-        let id: i64 = if self.backend() == DbBackend::MySql {
-            let res = txn.execute(&insert).await.map_err(unique_to_exists)?;
-            res.last_insert_id() as i64
-        } else {
-            insert.returning_col(Objects::Id);
-            let row = txn.query_one(&insert).await.map_err(unique_to_exists)?;
-            row.ok_or_else(|| {
-                StoreError::Inconsistent("INSERT … RETURNING returned no row".into())
-            })?
-            .try_get("", "id")?
-        };
-        self.write_side_rows(txn, id, key, t, object, &cols).await
+        match self.backend() {
+            DbBackend::Postgres if results.len() <= RESULT_ROWS_PER_STATEMENT => {
+                insert.returning_col(Objects::Id);
+                let new_id = Alias::new("new_object");
+                let id: Expr = Expr::SubQuery(
+                    None,
+                    Box::new(
+                        Query::select()
+                            .column(Objects::Id)
+                            .from(new_id.clone())
+                            .to_owned()
+                            .into(),
+                    ),
+                );
+                let mut with = WithClause::new();
+                with.cte(
+                    CommonTableExpression::new()
+                        .query(insert)
+                        .table_name(new_id)
+                        .to_owned(),
+                );
+                let side = self
+                    .labels_insert(&id, &cols)
+                    .into_iter()
+                    .chain(self.results_inserts(&id, key, t, &results));
+                for (n, statement) in side.enumerate() {
+                    with.cte(
+                        CommonTableExpression::new()
+                            .query(statement)
+                            .table_name(Alias::new(format!("side_{n}")))
+                            .to_owned(),
+                    );
+                }
+                txn.execute(&with.query(change))
+                    .await
+                    .map_err(unique_to_exists)?;
+                return Ok(());
+            }
+            DbBackend::MySql => {
+                let res = txn.execute(&insert).await.map_err(unique_to_exists)?;
+                let id = Expr::val(res.last_insert_id() as i64);
+                self.write_side_rows(txn, &id, key, t, &cols, &results)
+                    .await?;
+            }
+            _ => {
+                insert.returning_col(Objects::Id);
+                let row = txn.query_one(&insert).await.map_err(unique_to_exists)?;
+                let id: i64 = row
+                    .ok_or_else(|| {
+                        StoreError::Inconsistent("INSERT … RETURNING returned no row".into())
+                    })?
+                    .try_get("", "id")?;
+                self.write_side_rows(txn, &Expr::val(id), key, t, &cols, &results)
+                    .await?;
+            }
+        }
+        txn.execute(&change).await.map_err(StoreError::from)?;
+        Ok(())
     }
 
     async fn update_row(
@@ -395,6 +496,7 @@ impl Store {
         id: i64,
         t: &Target<'_>,
         object: &Value,
+        body: String,
         rv: i64,
     ) -> Result<(), StoreError> {
         let cols = ObjectColumns::of(t.resource, object);
@@ -418,7 +520,7 @@ impl Store {
                     (Objects::ScopeName, cols.scope_name.clone().into()),
                     (Objects::ScopeUid, cols.scope_uid.clone().into()),
                     (Objects::Metadata, cols.metadata.clone().into()),
-                    (Objects::Body, object.to_string().into()),
+                    (Objects::Body, body.into()),
                 ])
                 .and_where(Expr::col(Objects::Id).eq(id))
                 .to_owned(),
@@ -426,7 +528,9 @@ impl Store {
         .await?;
         self.delete_side_rows(txn, id).await?;
         let key = Store::resource_key(t.resource);
-        self.write_side_rows(txn, id, &key, t, object, &cols).await
+        let results = result_rows(t.resource, object);
+        self.write_side_rows(txn, &Expr::val(id), &key, t, &cols, &results)
+            .await
     }
 
     async fn delete_row(&self, txn: &DatabaseTransaction, id: i64) -> Result<(), StoreError> {
@@ -461,91 +565,114 @@ impl Store {
     async fn write_side_rows(
         &self,
         txn: &DatabaseTransaction,
-        id: i64,
+        id: &Expr,
         key: &str,
         t: &Target<'_>,
-        object: &Value,
         cols: &ObjectColumns,
+        results: &[ResultRow],
     ) -> Result<(), StoreError> {
-        if !cols.labels.is_empty() {
-            let mut insert = Query::insert();
-            insert.into_table(ObjectLabels::Table).columns([
-                ObjectLabels::ObjectId,
-                ObjectLabels::Key,
-                ObjectLabels::Value,
-            ]);
-            for (k, v) in &cols.labels {
-                insert.values_panic([id.into(), k.clone().into(), v.clone().into()]);
-            }
-            txn.execute(&insert).await?;
-        }
-        let rows = result_rows(t.resource, object);
-        // Stay far below every backend's bind-parameter limit (SQLite 32766, Postgres 65535).
-        for chunk in rows.chunks(1000) {
-            let mut insert = Query::insert();
-            insert.into_table(Results::Table).columns([
-                Results::ObjectId,
-                Results::ClusterId,
-                Results::Resource,
-                Results::Namespace,
-                Results::ReportName,
-                Results::Source,
-                Results::Policy,
-                Results::Rule,
-                Results::Result,
-                Results::Severity,
-                Results::Category,
-                Results::Scored,
-                Results::SubjectApiVersion,
-                Results::SubjectKind,
-                Results::SubjectNamespace,
-                Results::SubjectName,
-                Results::SubjectUid,
-                Results::Timestamp,
-                Results::Message,
-                Results::Properties,
-            ]);
-            for r in chunk {
-                insert.values_panic([
-                    id.into(),
-                    self.cluster_id().into(),
-                    key.into(),
-                    t.namespace.into(),
-                    t.name.into(),
-                    r.source.clone().into(),
-                    r.policy.clone().into(),
-                    r.rule.clone().into(),
-                    r.result.clone().into(),
-                    r.severity.clone().into(),
-                    r.category.clone().into(),
-                    r.scored.into(),
-                    r.subject_api_version.clone().into(),
-                    r.subject_kind.clone().into(),
-                    r.subject_namespace.clone().into(),
-                    r.subject_name.clone().into(),
-                    r.subject_uid.clone().into(),
-                    r.timestamp.into(),
-                    r.message.clone().into(),
-                    r.properties.clone().into(),
-                ]);
-            }
+        for insert in self
+            .labels_insert(id, cols)
+            .into_iter()
+            .chain(self.results_inserts(id, key, t, results))
+        {
             txn.execute(&insert).await?;
         }
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn append_change(
+    /// The object's label rows; `id` is its id or an expression giving it.
+    fn labels_insert(&self, id: &Expr, cols: &ObjectColumns) -> Option<InsertStatement> {
+        if cols.labels.is_empty() {
+            return None;
+        }
+        let mut insert = Query::insert();
+        insert.into_table(ObjectLabels::Table).columns([
+            ObjectLabels::ObjectId,
+            ObjectLabels::Key,
+            ObjectLabels::Value,
+        ]);
+        for (k, v) in &cols.labels {
+            insert.values_panic([id.clone(), k.clone().into(), v.clone().into()]);
+        }
+        Some(insert)
+    }
+
+    /// The object's result rows, [`RESULT_ROWS_PER_STATEMENT`] per statement.
+    fn results_inserts(
         &self,
-        txn: &DatabaseTransaction,
+        id: &Expr,
+        key: &str,
+        t: &Target<'_>,
+        rows: &[ResultRow],
+    ) -> Vec<InsertStatement> {
+        rows.chunks(RESULT_ROWS_PER_STATEMENT)
+            .map(|chunk| {
+                let mut insert = Query::insert();
+                insert.into_table(Results::Table).columns([
+                    Results::ObjectId,
+                    Results::ClusterId,
+                    Results::Resource,
+                    Results::Namespace,
+                    Results::ReportName,
+                    Results::Source,
+                    Results::Policy,
+                    Results::Rule,
+                    Results::Result,
+                    Results::Severity,
+                    Results::Category,
+                    Results::Scored,
+                    Results::SubjectApiVersion,
+                    Results::SubjectKind,
+                    Results::SubjectNamespace,
+                    Results::SubjectName,
+                    Results::SubjectUid,
+                    Results::Timestamp,
+                    Results::Message,
+                    Results::Properties,
+                ]);
+                for r in chunk {
+                    insert.values_panic([
+                        id.clone(),
+                        self.cluster_id().into(),
+                        key.into(),
+                        t.namespace.into(),
+                        t.name.into(),
+                        r.source.clone().into(),
+                        r.policy.clone().into(),
+                        r.rule.clone().into(),
+                        r.result.clone().into(),
+                        r.severity.clone().into(),
+                        r.category.clone().into(),
+                        r.scored.into(),
+                        r.subject_api_version.clone().into(),
+                        r.subject_kind.clone().into(),
+                        r.subject_namespace.clone().into(),
+                        r.subject_name.clone().into(),
+                        r.subject_uid.clone().into(),
+                        r.timestamp.into(),
+                        r.message.clone().into(),
+                        r.properties.clone().into(),
+                    ]);
+                }
+                insert
+            })
+            .collect()
+    }
+
+    /// The change-log entry of a write.
+    #[allow(clippy::too_many_arguments)]
+    fn change_insert(
+        &self,
         key: &str,
         t: &Target<'_>,
         event: EventType,
         object: &Value,
         previous: Option<&Value>,
+        body: String,
         rv: i64,
         now: i64,
-    ) -> Result<(), StoreError> {
+    ) -> InsertStatement {
         let labels_of = |o: &Value| {
             o["metadata"]
                 .get("labels")
@@ -556,38 +683,34 @@ impl Store {
         // Watches with a label selector need the old labels to turn "stopped matching" into
         // DELETED and "started matching" into ADDED, as kube-apiserver does.
         let prev_labels = previous.map(labels_of).unwrap_or(Value::Null);
-        txn.execute(
-            &Query::insert()
-                .into_table(Changes::Table)
-                .columns([
-                    Changes::ClusterId,
-                    Changes::Rv,
-                    Changes::Resource,
-                    Changes::Namespace,
-                    Changes::Name,
-                    Changes::EventType,
-                    Changes::Labels,
-                    Changes::PrevLabels,
-                    Changes::Body,
-                    Changes::CreatedAt,
-                ])
-                .values_panic([
-                    self.cluster_id().into(),
-                    rv.into(),
-                    key.into(),
-                    t.namespace.into(),
-                    t.name.into(),
-                    event.as_str().into(),
-                    labels.to_string().into(),
-                    prev_labels.to_string().into(),
-                    object.to_string().into(),
-                    now.into(),
-                ])
-                .on_conflict(OnConflict::new().do_nothing().to_owned())
-                .to_owned(),
-        )
-        .await?;
-        Ok(())
+        Query::insert()
+            .into_table(Changes::Table)
+            .columns([
+                Changes::ClusterId,
+                Changes::Rv,
+                Changes::Resource,
+                Changes::Namespace,
+                Changes::Name,
+                Changes::EventType,
+                Changes::Labels,
+                Changes::PrevLabels,
+                Changes::Body,
+                Changes::CreatedAt,
+            ])
+            .values_panic([
+                self.cluster_id().into(),
+                rv.into(),
+                key.into(),
+                t.namespace.into(),
+                t.name.into(),
+                event.as_str().into(),
+                labels.to_string().into(),
+                prev_labels.to_string().into(),
+                body.into(),
+                now.into(),
+            ])
+            .on_conflict(OnConflict::new().do_nothing().to_owned())
+            .to_owned()
     }
 }
 
@@ -601,6 +724,37 @@ fn unique_to_exists(e: sea_orm::DbErr) -> StoreError {
     } else {
         e.into()
     }
+}
+
+/// Takes the resourceVersion counter's row lock and reads `(rv, compacted_rv)` under it: one
+/// round trip where the backend has `UPDATE … RETURNING`.
+async fn lock_counter(
+    txn: &DatabaseTransaction,
+    backend: DbBackend,
+    cluster_id: &str,
+) -> Result<(i64, i64), StoreError> {
+    let mut lock = Query::update();
+    lock.table(StoreState::Table)
+        .value(StoreState::Rv, Expr::col(StoreState::Rv))
+        .and_where(Expr::col(StoreState::ClusterId).eq(cluster_id));
+    if backend == DbBackend::MySql {
+        txn.execute(&lock).await?;
+        return super::read::versions(txn, backend, cluster_id).await;
+    }
+    lock.returning(Query::returning().columns([StoreState::Rv, StoreState::CompactedRv]));
+    let row = txn.query_one(&lock).await?.ok_or_else(|| {
+        StoreError::Inconsistent(format!(
+            "store_state has no row for cluster {cluster_id} ({backend:?})"
+        ))
+    })?;
+    Ok((row.try_get("", "rv")?, row.try_get("", "compacted_rv")?))
+}
+
+/// The stored state of the object a write targets, read under the write lock.
+struct Current {
+    id: i64,
+    rv: i64,
+    body: String,
 }
 
 fn current_rv(object: &Value) -> Option<i64> {
@@ -673,16 +827,7 @@ pub(super) async fn raise_version_floor(
     let _guard = store.write_lock.lock().await;
     let txn = store.connection().begin().await?;
     // The counter's row lock orders this against writers in other processes too.
-    txn.execute(
-        &Query::update()
-            .table(StoreState::Table)
-            .value(StoreState::Rv, Expr::col(StoreState::Rv))
-            .and_where(Expr::col(StoreState::ClusterId).eq(store.cluster_id()))
-            .to_owned(),
-    )
-    .await?;
-    let (current, compacted) =
-        super::read::versions(&txn, store.backend(), store.cluster_id()).await?;
+    let (current, compacted) = lock_counter(&txn, store.backend(), store.cluster_id()).await?;
     let (current, compacted) = (
         std::cmp::max(current, floor),
         std::cmp::max(compacted, floor),
