@@ -465,7 +465,13 @@ async fn the_one_body_copy_migration_and_its_downgrade_keep_every_event() {
         for n in 0..5 {
             put(&store, "ns-a", &format!("r-{n:05}"), report("ns-a", n, &[])).await;
         }
-        put(&store, "ns-a", "r-00000", report("ns-a", 0, &[("step", "two")])).await;
+        put(
+            &store,
+            "ns-a",
+            "r-00000",
+            report("ns-a", 0, &[("step", "two")]),
+        )
+        .await;
         let events = |changes: Vec<reports_server_apiserver::store::Change>| {
             changes
                 .into_iter()
@@ -487,7 +493,9 @@ async fn the_one_body_copy_migration_and_its_downgrade_keep_every_event() {
         assert_eq!(with_body(&db).await, 6, "{backend:?}");
 
         // Upgrade again: the migration empties the five current versions' copies.
-        let store = Store::connect(StoreOptions::new(url.clone())).await.unwrap();
+        let store = Store::connect(StoreOptions::new(url.clone()))
+            .await
+            .unwrap();
         assert_eq!(with_body(&db).await, 1, "{backend:?}");
         let after = events(read_changes(&store, start, None, 100).await.unwrap());
         assert_eq!(after, before, "{backend:?}");
