@@ -10,13 +10,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use sea_orm::sea_query::{Alias, Condition, Expr, ExprTrait, Order, Query};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait, Order, Query};
 use sea_orm::{ConnectionTrait, DbBackend};
 use serde_json::Value;
 use tokio::sync::{Notify, broadcast};
 
 use super::schema::{Changes, Objects};
-use super::write::BODY_IN_OBJECTS;
+use super::write::{BODY_IN_OBJECTS, object_row_of_change};
 use super::{Store, StoreError, parse_document};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -244,27 +244,7 @@ pub async fn read_changes(
         Alias::new("body"),
     )
     .from(Changes::Table)
-    .left_join(
-        Objects::Table,
-        Condition::all()
-            .add(
-                Expr::col((Objects::Table, Objects::ClusterId))
-                    .equals((Changes::Table, Changes::ClusterId)),
-            )
-            .add(
-                Expr::col((Objects::Table, Objects::Resource))
-                    .equals((Changes::Table, Changes::Resource)),
-            )
-            .add(
-                Expr::col((Objects::Table, Objects::Namespace))
-                    .equals((Changes::Table, Changes::Namespace)),
-            )
-            .add(Expr::col((Objects::Table, Objects::Name)).equals((Changes::Table, Changes::Name)))
-            .add(
-                Expr::col((Objects::Table, Objects::ResourceVersion))
-                    .equals((Changes::Table, Changes::Rv)),
-            ),
-    )
+    .left_join(Objects::Table, object_row_of_change())
     .and_where(Expr::col((Changes::Table, Changes::ClusterId)).eq(store.cluster_id()))
     .and_where(Expr::col((Changes::Table, Changes::Rv)).gt(after))
     .order_by((Changes::Table, Changes::Rv), Order::Asc)

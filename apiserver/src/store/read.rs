@@ -67,12 +67,15 @@ pub(super) async fn versions(
                 .to_owned(),
         )
         .await?
-        .ok_or_else(|| {
-            StoreError::Inconsistent(format!(
-                "store_state has no row for cluster {cluster_id} ({backend:?})"
-            ))
-        })?;
+        .ok_or_else(|| no_state_row(cluster_id, backend))?;
     Ok((row.try_get("", "rv")?, row.try_get("", "compacted_rv")?))
+}
+
+/// The resourceVersion counter's row is missing (`Store::connect` creates it).
+pub(super) fn no_state_row(cluster_id: &str, backend: DbBackend) -> StoreError {
+    StoreError::Inconsistent(format!(
+        "store_state has no row for cluster {cluster_id} ({backend:?})"
+    ))
 }
 
 const LIST_COLUMNS: [Objects; 10] = [

@@ -12,8 +12,8 @@
 
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{
-    Alias, CommonTableExpression, Expr, ExprTrait, Func, InsertStatement, OnConflict, Query,
-    WithClause,
+    Alias, CommonTableExpression, Condition, Expr, ExprTrait, Func, InsertStatement, OnConflict,
+    Query, WithClause,
 };
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, TransactionTrait};
 use serde_json::Value;
@@ -53,6 +53,18 @@ pub struct Target<'a> {
 /// The change-log `body` of an entry whose body is the `objects` row's (see the module docs).
 /// No JSON document is empty, so it cannot be mistaken for one.
 pub(super) const BODY_IN_OBJECTS: &str = "";
+
+/// The `objects` row holding the version a `changes` entry is about: where an entry whose body
+/// is [`BODY_IN_OBJECTS`] finds it (the feed's join, the one-body-copy migration).
+pub(super) fn object_row_of_change() -> Condition {
+    let same = |o: Objects, c: Changes| Expr::col((Objects::Table, o)).equals((Changes::Table, c));
+    Condition::all()
+        .add(same(Objects::ClusterId, Changes::ClusterId))
+        .add(same(Objects::Resource, Changes::Resource))
+        .add(same(Objects::Namespace, Changes::Namespace))
+        .add(same(Objects::Name, Changes::Name))
+        .add(same(Objects::ResourceVersion, Changes::Rv))
+}
 
 /// Result rows per INSERT: far below every backend's bind-parameter limit (SQLite 32766,
 /// PostgreSQL 65535) at 20 columns a row.
@@ -742,11 +754,10 @@ async fn lock_counter(
         return super::read::versions(txn, backend, cluster_id).await;
     }
     lock.returning(Query::returning().columns([StoreState::Rv, StoreState::CompactedRv]));
-    let row = txn.query_one(&lock).await?.ok_or_else(|| {
-        StoreError::Inconsistent(format!(
-            "store_state has no row for cluster {cluster_id} ({backend:?})"
-        ))
-    })?;
+    let row = txn
+        .query_one(&lock)
+        .await?
+        .ok_or_else(|| super::read::no_state_row(cluster_id, backend))?;
     Ok((row.try_get("", "rv")?, row.try_get("", "compacted_rv")?))
 }
 

@@ -13,7 +13,7 @@
 use sea_orm_migration::prelude::*;
 
 use crate::store::schema::{Changes, Objects};
-use crate::store::write::BODY_IN_OBJECTS;
+use crate::store::write::{BODY_IN_OBJECTS, object_row_of_change};
 
 pub struct Migration;
 
@@ -28,25 +28,7 @@ fn current_row() -> SelectStatement {
     Query::select()
         .expr(Expr::val(1))
         .from(Objects::Table)
-        .and_where(
-            Expr::col((Objects::Table, Objects::ClusterId))
-                .equals((Changes::Table, Changes::ClusterId)),
-        )
-        .and_where(
-            Expr::col((Objects::Table, Objects::Resource))
-                .equals((Changes::Table, Changes::Resource)),
-        )
-        .and_where(
-            Expr::col((Objects::Table, Objects::Namespace))
-                .equals((Changes::Table, Changes::Namespace)),
-        )
-        .and_where(
-            Expr::col((Objects::Table, Objects::Name)).equals((Changes::Table, Changes::Name)),
-        )
-        .and_where(
-            Expr::col((Objects::Table, Objects::ResourceVersion))
-                .equals((Changes::Table, Changes::Rv)),
-        )
+        .cond_where(object_row_of_change())
         .to_owned()
 }
 
