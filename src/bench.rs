@@ -84,6 +84,14 @@ pub struct BenchArgs {
     /// Database to benchmark [default: a fresh SQLite file in a temporary directory].
     #[arg(long, env = "REPORTS_SERVER_BENCH_DATABASE_URL")]
     database_url: Option<String>,
+    /// The server's `--group-commit-max-writes` (1: one write per transaction, as before group
+    /// commit).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_GROUP_COMMIT_MAX_WRITES",
+        default_value_t = 256
+    )]
+    group_commit_max_writes: usize,
 }
 
 /// A fresh standalone server for a benchmark, in this process: on `database_url`, else on a new
@@ -91,15 +99,20 @@ pub struct BenchArgs {
 pub(crate) async fn start_server(
     dir: &Path,
     database_url: Option<&str>,
+    group_commit_max_writes: Option<usize>,
 ) -> anyhow::Result<(RunningServer, kube::Client)> {
     let url = database_url.map_or_else(
         || format!("sqlite://{}?mode=rwc", dir.join("bench.db").display()),
         str::to_owned,
     );
+    let mut store = StoreOptions::new(url);
+    if let Some(max) = group_commit_max_writes {
+        store.group_commit_max_writes = max.max(1);
+    }
     let server = startup::start(ServerConfig {
         data_dir: dir.to_owned(),
         bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-        store: StoreOptions::new(url),
+        store,
         api: ApiOptions::default(),
         kubeconfig: dir.join("kubeconfig"),
         auth: Default::default(),
@@ -132,7 +145,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let phases = selected(&args)?;
     let dir = tempfile::tempdir()?;
     let baseline = memory()?;
-    let (server, client) = start_server(dir.path(), args.database_url.as_deref()).await?;
+    let (server, client) = start_server(
+        dir.path(),
+        args.database_url.as_deref(),
+        Some(args.group_commit_max_writes),
+    )
+    .await?;
     println!(
         "backend: {:?} ({}); {} build; phases: {}",
         server.store.backend(),

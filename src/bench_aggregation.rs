@@ -196,7 +196,7 @@ fn args_without_layout() -> Vec<std::ffi::OsString> {
 
 async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<Figures> {
     let dir = tempfile::tempdir()?;
-    let (server, client) = start_server(dir.path(), args.database_url.as_deref()).await?;
+    let (server, client) = start_server(dir.path(), args.database_url.as_deref(), None).await?;
     let metrics = server.metrics.register(Metrics::register);
     let config = AggregatorConfig {
         queue: QueueConfig {

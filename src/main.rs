@@ -132,6 +132,16 @@ pub struct DatabaseArgs {
         default_value_t = 10
     )]
     db_connect_timeout_seconds: u64,
+    /// Most objects written in one transaction by group commit: writes that arrive while a
+    /// commit runs share the next one (each keeps its own resourceVersion; a failing write
+    /// fails alone). 1 turns grouping off.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_GROUP_COMMIT_MAX_WRITES",
+        default_value_t = 256,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    group_commit_max_writes: u32,
 }
 
 #[derive(Args)]
@@ -276,6 +286,7 @@ impl DatabaseArgs {
         options.cluster_id = self.cluster_id.clone();
         options.max_connections = self.db_max_connections;
         options.connect_timeout = std::time::Duration::from_secs(self.db_connect_timeout_seconds);
+        options.group_commit_max_writes = self.group_commit_max_writes as usize;
         Ok(options)
     }
 }

@@ -128,6 +128,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
         .local_addr()
         .map_err(|e| server::ServeError::Bind(config.bind, e))?;
     let metrics = Metrics::new();
+    metrics.register(|registry| store.register_metrics(registry));
     let draining = CancellationToken::new();
     let shutdown = CancellationToken::new();
     let serving_cert = server::ServingCert::new(&serving.cert_pem, &serving.key_pem)?;

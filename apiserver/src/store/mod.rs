@@ -16,6 +16,7 @@
 
 pub mod columns;
 pub mod feed;
+mod group_commit;
 pub mod lease;
 pub mod migration;
 mod read;
@@ -72,6 +73,19 @@ impl StoreError {
     /// `true` when the database could not be reached: the request may succeed later.
     pub fn is_unavailable(&self) -> bool {
         matches!(self, StoreError::Unavailable { .. })
+    }
+
+    /// The same error again, for another writer of a group commit round that failed with it
+    /// (a driver error is kept as its text).
+    pub(super) fn duplicate(&self) -> StoreError {
+        match self {
+            StoreError::Unavailable { message, .. } => StoreError::unavailable(message.clone()),
+            StoreError::Database(e) => StoreError::Database(DbErr::Custom(e.to_string())),
+            StoreError::Inconsistent(m) => StoreError::Inconsistent(m.clone()),
+            StoreError::Corrupt(what, why) => StoreError::Corrupt(what.clone(), why.clone()),
+            StoreError::AlreadyExists => StoreError::AlreadyExists,
+            StoreError::Config(m) => StoreError::Config(m.clone()),
+        }
     }
 
     fn unavailable(message: impl Into<String>) -> Self {
@@ -148,6 +162,9 @@ pub struct StoreOptions {
     pub poll_interval: Duration,
     /// How often old change-log entries are deleted.
     pub compaction_interval: Duration,
+    /// Most objects written in one group commit round (one transaction and one commit for
+    /// every write queued while the previous round ran); a single larger batch still goes alone.
+    pub group_commit_max_writes: usize,
 }
 
 impl StoreOptions {
@@ -161,6 +178,7 @@ impl StoreOptions {
             watch_history_max_events: 100_000,
             poll_interval: Duration::from_secs(1),
             compaction_interval: Duration::from_secs(30),
+            group_commit_max_writes: 256,
         }
     }
 }
@@ -175,6 +193,8 @@ pub struct Store {
     /// Serializes this process's write transactions; the counter row lock serializes them across
     /// processes. Holding it here keeps SQLite from spinning on busy timeouts.
     write_lock: Arc<tokio::sync::Mutex<()>>,
+    /// Writers waiting for the next group commit round (see `group_commit`).
+    commit_queue: Arc<group_commit::CommitQueue>,
     feed: ChangeFeed,
 }
 
@@ -210,6 +230,7 @@ impl Store {
             db,
             options: Arc::new(options),
             write_lock: Arc::new(tokio::sync::Mutex::new(())),
+            commit_queue: Arc::default(),
         };
         store.migrate().await?;
         store.ensure_state_row().await?;
@@ -277,6 +298,11 @@ impl Store {
 
     pub fn options(&self) -> &StoreOptions {
         &self.options
+    }
+
+    /// Adds the store's metrics (group commit rounds) to a `/metrics` registry.
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.commit_queue.register(registry);
     }
 
     pub fn feed(&self) -> &ChangeFeed {

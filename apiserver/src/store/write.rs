@@ -70,7 +70,7 @@ pub(super) fn object_row_of_change() -> Condition {
 /// PostgreSQL 65535) at 20 columns a row.
 const RESULT_ROWS_PER_STATEMENT: usize = 1000;
 
-fn now_unix() -> i64 {
+pub(super) fn now_unix() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
@@ -182,177 +182,147 @@ impl Store {
             return Ok(outcomes);
         }
 
-        let _guard = self.write_lock.lock().await;
-        let txn = self.connection().begin().await.map_err(StoreError::from)?;
-        let result = self.write_in(&txn, targets, &mut decide).await;
-        match result {
-            Ok((outcomes, changed)) => {
-                txn.commit().await.map_err(StoreError::from)?;
-                if changed {
-                    self.feed().wake();
-                }
-                Ok(outcomes)
-            }
-            Err(e) => {
-                txn.rollback().await.ok();
-                Err(e)
-            }
+        if targets.is_empty() {
+            return Ok(Vec::new());
         }
-    }
-
-    async fn write_in<E, F>(
-        &self,
-        txn: &DatabaseTransaction,
-        targets: &[Target<'_>],
-        decide: &mut F,
-    ) -> Result<(Vec<WriteOutcome>, bool), E>
-    where
-        E: From<StoreError>,
-        F: FnMut(usize, Option<Value>) -> Result<Mutation, E>,
-    {
-        // Take the counter's row lock first: it orders this transaction against every other
-        // writer, in this process or another one.
-        let (base_rv, _) = lock_counter(txn, self.backend(), self.cluster_id()).await?;
-        let mut rv = base_rv;
-        let mut outcomes = Vec::with_capacity(targets.len());
-        let now = now_unix();
-        for (i, target) in targets.iter().enumerate() {
-            let key = Store::resource_key(target.resource);
-            let current = self.locked_current(txn, &key, target).await?;
-            let current_object = match &current {
-                Some(Current { body, .. }) => Some(parse_document(
+        // See `group_commit`: the leader offers the current bodies, this task decides, the
+        // leader writes and commits with everything else queued.
+        let ticket = self.enqueue(targets)?;
+        let bodies = ticket.offer.await.map_err(|_| leader_gone())??;
+        let mut decided = Vec::with_capacity(targets.len());
+        for (i, (target, body)) in targets.iter().zip(bodies).enumerate() {
+            let current = match body {
+                Some(body) => Some(parse_document(
                     &format!("{}/{}", target.namespace, target.name),
-                    body,
+                    &body,
                 )?),
                 None => None,
             };
-            let outcome = match decide(i, current_object.clone())? {
-                Mutation::Unchanged => WriteOutcome {
-                    resource_version: current_object.as_ref().and_then(current_rv).unwrap_or(0),
-                    object: current_object,
-                    event: None,
-                },
-                Mutation::Put(mut object) => {
-                    rv += 1;
-                    object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                    let body = object.to_string();
-                    let event = if current.is_some() {
-                        EventType::Modified
-                    } else {
-                        EventType::Added
-                    };
-                    let change = self.change_insert(
-                        &key,
-                        target,
-                        event,
-                        &object,
-                        current_object.as_ref(),
-                        BODY_IN_OBJECTS.to_owned(),
-                        rv,
-                        now,
-                    );
-                    match current {
-                        Some(current) => {
-                            self.retire_body(txn, current.rv, current.body).await?;
-                            self.update_row(txn, current.id, target, &object, body, rv)
-                                .await?;
-                            txn.execute(&change).await.map_err(StoreError::from)?;
-                        }
-                        None => {
-                            self.insert_row(txn, &key, target, &object, body, rv, change)
-                                .await?;
-                        }
-                    }
-                    WriteOutcome {
-                        object: Some(object),
-                        event: Some(event),
-                        resource_version: rv,
-                    }
-                }
-                Mutation::Delete => match (current, current_object) {
-                    (Some(current), Some(mut object)) => {
-                        rv += 1;
-                        self.retire_body(txn, current.rv, current.body).await?;
-                        self.delete_row(txn, current.id).await?;
-                        object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                        let previous = object.clone();
-                        // The row is gone: the entry keeps the last state itself.
-                        let body = object.to_string();
-                        let change = self.change_insert(
-                            &key,
-                            target,
-                            EventType::Deleted,
-                            &object,
-                            Some(&previous),
-                            body,
-                            rv,
-                            now,
-                        );
-                        txn.execute(&change).await.map_err(StoreError::from)?;
-                        WriteOutcome {
-                            object: Some(object),
-                            event: Some(EventType::Deleted),
-                            resource_version: rv,
-                        }
-                    }
-                    _ => WriteOutcome {
-                        object: None,
-                        event: None,
-                        resource_version: base_rv,
-                    },
-                },
-            };
-            outcomes.push(outcome);
+            // An error here drops the ticket: the leader leaves this writer out of the round.
+            let mutation = decide(i, current.clone())?;
+            decided.push(Decided { mutation, current });
         }
-        if rv != base_rv {
-            let mut advance = Query::update();
-            advance
-                .table(StoreState::Table)
-                .value(StoreState::Rv, rv)
-                .and_where(Expr::col(StoreState::ClusterId).eq(self.cluster_id()));
-            if self.backend() == DbBackend::Postgres {
-                // The wake-up for other replicas rides on the same round trip (NOTIFY is
-                // delivered at commit, like the statement itself).
-                advance.returning(
-                    Query::returning().expr(
-                        Func::cust("pg_notify")
-                            .args([Expr::val(NOTIFY_CHANNEL), Expr::val(rv.to_string())]),
-                    ),
-                );
-                txn.query_one(&advance).await.map_err(StoreError::from)?;
-            } else {
-                txn.execute(&advance).await.map_err(StoreError::from)?;
-            }
-        }
-        Ok((outcomes, rv != base_rv))
+        ticket.decision.send(decided).map_err(|_| leader_gone())?;
+        Ok(ticket.done.await.map_err(|_| leader_gone())??)
     }
 
-    async fn locked_current(
+    /// Writes one decided mutation of a round: the object row, its side rows and its
+    /// change-log entry, with the next resourceVersion (`rv` is the round's last one so far).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn apply_one(
         &self,
         txn: &DatabaseTransaction,
         key: &str,
-        t: &Target<'_>,
-    ) -> Result<Option<Current>, StoreError> {
-        let row = txn
-            .query_one(
-                &Query::select()
-                    .columns([Objects::Id, Objects::ResourceVersion, Objects::Body])
-                    .from(Objects::Table)
-                    .and_where(Expr::col(Objects::ClusterId).eq(self.cluster_id()))
-                    .and_where(Expr::col(Objects::Resource).eq(key))
-                    .and_where(Expr::col(Objects::Namespace).eq(t.namespace))
-                    .and_where(Expr::col(Objects::Name).eq(t.name))
-                    .to_owned(),
-            )
-            .await?;
-        match row {
-            Some(r) => Ok(Some(Current {
-                id: r.try_get("", "id")?,
-                rv: r.try_get("", "resource_version")?,
-                body: r.try_get("", "body")?,
-            })),
-            None => Ok(None),
+        target: &Target<'_>,
+        current: Option<&Current>,
+        decided: &mut Decided,
+        rv: &mut i64,
+        base_rv: i64,
+        now: i64,
+    ) -> Result<Applied, StoreError> {
+        let Decided {
+            mutation,
+            current: current_object,
+        } = decided;
+        Ok(match mutation {
+            Mutation::Unchanged => Applied {
+                event: None,
+                resource_version: current_object.as_ref().and_then(current_rv).unwrap_or(0),
+            },
+            Mutation::Put(object) => {
+                *rv += 1;
+                object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+                let body = object.to_string();
+                let event = if current.is_some() {
+                    EventType::Modified
+                } else {
+                    EventType::Added
+                };
+                let change = self.change_insert(
+                    key,
+                    target,
+                    event,
+                    object,
+                    current_object.as_ref(),
+                    BODY_IN_OBJECTS.to_owned(),
+                    *rv,
+                    now,
+                );
+                match current {
+                    Some(current) => {
+                        self.retire_body(txn, current.rv, &current.body).await?;
+                        self.update_row(txn, current.id, target, object, body, *rv)
+                            .await?;
+                        txn.execute(&change).await?;
+                    }
+                    None => {
+                        self.insert_row(txn, key, target, object, body, *rv, change)
+                            .await?;
+                    }
+                }
+                Applied {
+                    event: Some(event),
+                    resource_version: *rv,
+                }
+            }
+            Mutation::Delete => match (current, current_object.as_mut()) {
+                (Some(current), Some(object)) => {
+                    *rv += 1;
+                    self.retire_body(txn, current.rv, &current.body).await?;
+                    self.delete_row(txn, current.id).await?;
+                    object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+                    // The row is gone: the entry keeps the last state itself (its labels are
+                    // the previous ones too).
+                    let body = object.to_string();
+                    let change = self.change_insert(
+                        key,
+                        target,
+                        EventType::Deleted,
+                        object,
+                        Some(object),
+                        body,
+                        *rv,
+                        now,
+                    );
+                    txn.execute(&change).await?;
+                    Applied {
+                        event: Some(EventType::Deleted),
+                        resource_version: *rv,
+                    }
+                }
+                _ => Applied {
+                    event: None,
+                    resource_version: base_rv,
+                },
+            },
+        })
+    }
+
+    /// Moves the counter to the round's last resourceVersion.
+    pub(super) async fn advance_counter(
+        &self,
+        txn: &DatabaseTransaction,
+        rv: i64,
+    ) -> Result<(), StoreError> {
+        let mut advance = Query::update();
+        advance
+            .table(StoreState::Table)
+            .value(StoreState::Rv, rv)
+            .and_where(Expr::col(StoreState::ClusterId).eq(self.cluster_id()));
+        if self.backend() == DbBackend::Postgres {
+            // The wake-up for other replicas rides on the same round trip (NOTIFY is
+            // delivered at commit, like the statement itself).
+            advance.returning(
+                Query::returning().expr(
+                    Func::cust("pg_notify")
+                        .args([Expr::val(NOTIFY_CHANNEL), Expr::val(rv.to_string())]),
+                ),
+            );
+            txn.query_one(&advance).await?;
+        } else {
+            txn.execute(&advance).await?;
         }
+        Ok(())
     }
 
     /// Version `rv` of an object is being superseded: its change-log entry, which so far read
@@ -361,7 +331,7 @@ impl Store {
         &self,
         txn: &DatabaseTransaction,
         rv: i64,
-        body: String,
+        body: &str,
     ) -> Result<(), StoreError> {
         txn.execute(
             &Query::update()
@@ -740,7 +710,7 @@ fn unique_to_exists(e: sea_orm::DbErr) -> StoreError {
 
 /// Takes the resourceVersion counter's row lock and reads `(rv, compacted_rv)` under it: one
 /// round trip where the backend has `UPDATE … RETURNING`.
-async fn lock_counter(
+pub(super) async fn lock_counter(
     txn: &DatabaseTransaction,
     backend: DbBackend,
     cluster_id: &str,
@@ -761,11 +731,43 @@ async fn lock_counter(
     Ok((row.try_get("", "rv")?, row.try_get("", "compacted_rv")?))
 }
 
-/// The stored state of the object a write targets, read under the write lock.
-struct Current {
-    id: i64,
-    rv: i64,
-    body: String,
+/// The stored state of the object a write targets, read under the counter's row lock.
+pub(super) struct Current {
+    pub(super) id: i64,
+    pub(super) rv: i64,
+    pub(super) body: String,
+}
+
+/// A writer's decision on one target, with the current object it was made on.
+pub(super) struct Decided {
+    pub(super) mutation: Mutation,
+    pub(super) current: Option<Value>,
+}
+
+/// What a round did with one decision.
+pub(super) struct Applied {
+    pub(super) event: Option<EventType>,
+    pub(super) resource_version: i64,
+}
+
+impl Decided {
+    /// The outcome the writer sees: the object as written (a delete's last state, with the
+    /// deletion's resourceVersion), or as it was when nothing changed.
+    pub(super) fn into_outcome(self, applied: Applied) -> WriteOutcome {
+        let object = match self.mutation {
+            Mutation::Put(object) => Some(object),
+            Mutation::Delete | Mutation::Unchanged => self.current,
+        };
+        WriteOutcome {
+            object,
+            event: applied.event,
+            resource_version: applied.resource_version,
+        }
+    }
+}
+
+fn leader_gone() -> StoreError {
+    StoreError::unavailable("the write's group commit ended before it finished; retry the request")
 }
 
 fn current_rv(object: &Value) -> Option<i64> {

@@ -1,0 +1,523 @@
+//! Group commit: the writes that arrive while a transaction is open share the next one.
+//!
+//! One write per transaction pays a commit (an fsync) and five round trips under the store's
+//! write lock, and the lock holder's continuation waits behind other requests' JSON work on the
+//! runtime's threads: with more clients, fewer writes per second got through. Here the writers
+//! queue their targets and one *leader* task (spawned when the queue fills, ending when it
+//! empties) runs a round for everything queued:
+//!
+//! 1. it opens a transaction, takes the counter's row lock, and reads the current rows of every
+//!    target in a few statements;
+//! 2. it offers each writer its current bodies; the writer decides in its own task, with its
+//!    own borrowed closure (the decision is synchronous, so offering costs one wake-up), and
+//!    answers with its mutations or declines (its decision failed: it returns its own error,
+//!    and nothing of it is written, so a failing write fails alone);
+//! 3. it applies the accepted mutations in queue order, each with its own resourceVersion and
+//!    change-log entry (so versions stay gapless and commit-ordered), and commits once.
+//!
+//! If a statement or the commit fails, the round is rolled back and each accepted writer is
+//! retried alone with the mutations it already decided, provided its targets are still at the
+//! versions it decided on: the writer whose statement fails gets the error, the others commit.
+//! A round never holds two writes to one object (a later writer to the same object waits for
+//! the next round, so it decides on the earlier one's result).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Mutex;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use reports_server_crds::ResourceDescriptor;
+use sea_orm::sea_query::{Condition, Expr, ExprTrait, Query};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, TransactionTrait};
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+use super::schema::Objects;
+use super::write::{Current, Decided, Target, WriteOutcome, lock_counter};
+use super::{Store, StoreError};
+
+/// Keys per current-row SELECT: bind parameters stay far below every backend's limit.
+const KEYS_PER_READ: usize = 200;
+
+/// One writer's place in the queue.
+pub(super) struct Request {
+    targets: Vec<OwnedTarget>,
+    /// The current bodies (`None`: no such object), or why the round could not start.
+    offer: oneshot::Sender<Result<Vec<Option<String>>, StoreError>>,
+    decision: oneshot::Receiver<Vec<Decided>>,
+    done: oneshot::Sender<Result<Vec<WriteOutcome>, StoreError>>,
+}
+
+/// The writer's ends of a [`Request`]'s channels.
+pub(super) struct Ticket {
+    pub offer: oneshot::Receiver<Result<Vec<Option<String>>, StoreError>>,
+    pub decision: oneshot::Sender<Vec<Decided>>,
+    pub done: oneshot::Receiver<Result<Vec<WriteOutcome>, StoreError>>,
+}
+
+struct OwnedTarget {
+    resource: &'static ResourceDescriptor,
+    key: String,
+    namespace: String,
+    name: String,
+}
+
+impl OwnedTarget {
+    fn target(&self) -> Target<'_> {
+        Target {
+            resource: self.resource,
+            namespace: &self.namespace,
+            name: &self.name,
+        }
+    }
+
+    fn identity(&self) -> (&str, &str, &str) {
+        (&self.key, &self.namespace, &self.name)
+    }
+}
+
+/// The writers waiting for a round, and whether a leader is running one.
+#[derive(Default)]
+pub(super) struct CommitQueue {
+    state: Mutex<QueueState>,
+    metrics: RoundMetrics,
+}
+
+/// `/metrics` of the rounds: how well writes group, and what a round costs.
+#[derive(Clone)]
+struct RoundMetrics {
+    writes: Histogram,
+    seconds: Histogram,
+    retried: Counter,
+}
+
+impl Default for RoundMetrics {
+    fn default() -> Self {
+        RoundMetrics {
+            writes: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
+            seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            retried: Counter::default(),
+        }
+    }
+}
+
+impl CommitQueue {
+    /// Adds the round metrics to a `/metrics` registry.
+    pub(super) fn register(&self, registry: &mut Registry) {
+        let m = &self.metrics;
+        registry.register(
+            "reports_server_store_group_commit_writes",
+            "Objects written per group commit round (one transaction, one commit)",
+            m.writes.clone(),
+        );
+        registry.register(
+            "reports_server_store_group_commit_round_seconds",
+            "Time of a group commit round, from opening its transaction to its commit",
+            m.seconds.clone(),
+        );
+        registry.register(
+            "reports_server_store_group_commit_retried_rounds",
+            "Rounds rolled back by a failing statement and retried one writer at a time",
+            m.retried.clone(),
+        );
+    }
+}
+
+#[derive(Default)]
+struct QueueState {
+    waiting: VecDeque<Request>,
+    leading: bool,
+}
+
+/// A writer that has decided, waiting for the round's outcome.
+struct Accepted {
+    targets: Vec<OwnedTarget>,
+    currents: Vec<Option<Current>>,
+    decided: Vec<Decided>,
+    done: oneshot::Sender<Result<Vec<WriteOutcome>, StoreError>>,
+}
+
+impl Store {
+    /// Queues a write of `targets` and starts a leader if none is running. Fails when a target
+    /// is named twice: one writer's decisions are all made on the state before its write.
+    pub(super) fn enqueue(&self, targets: &[Target<'_>]) -> Result<Ticket, StoreError> {
+        let mut seen = HashSet::with_capacity(targets.len());
+        let mut owned = Vec::with_capacity(targets.len());
+        for t in targets {
+            let key = Store::resource_key(t.resource);
+            if !seen.insert((key.clone(), t.namespace, t.name)) {
+                return Err(StoreError::Inconsistent(format!(
+                    "one write names {key} {}/{} twice; write it once per batch",
+                    t.namespace, t.name
+                )));
+            }
+            owned.push(OwnedTarget {
+                resource: t.resource,
+                key,
+                namespace: t.namespace.to_owned(),
+                name: t.name.to_owned(),
+            });
+        }
+        let (offer_tx, offer) = oneshot::channel();
+        let (decision, decision_rx) = oneshot::channel();
+        let (done_tx, done) = oneshot::channel();
+        let request = Request {
+            targets: owned,
+            offer: offer_tx,
+            decision: decision_rx,
+            done: done_tx,
+        };
+        let start_leader = {
+            let mut state = self
+                .commit_queue
+                .state
+                .lock()
+                .expect("commit queue poisoned");
+            state.waiting.push_back(request);
+            !std::mem::replace(&mut state.leading, true)
+        };
+        if start_leader {
+            let store = self.clone();
+            tokio::spawn(
+                async move { store.lead().await }.instrument(tracing::debug_span!("group_commit")),
+            );
+        }
+        Ok(Ticket {
+            offer,
+            decision,
+            done,
+        })
+    }
+
+    /// Runs rounds until the queue is empty.
+    async fn lead(self) {
+        // If this task is dropped (runtime shutdown) or panics, the waiting writers must not
+        // wait forever: dropping their requests closes their channels, which they report.
+        struct Abdicate<'a>(&'a CommitQueue, bool);
+        impl Drop for Abdicate<'_> {
+            fn drop(&mut self) {
+                if self.1 {
+                    let mut state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+                    state.leading = false;
+                    state.waiting.clear();
+                }
+            }
+        }
+        let mut guard = Abdicate(&self.commit_queue, true);
+        loop {
+            let batch = {
+                let mut state = self
+                    .commit_queue
+                    .state
+                    .lock()
+                    .expect("commit queue poisoned");
+                let batch = take_round(&mut state.waiting, self.options().group_commit_max_writes);
+                if batch.is_empty() {
+                    state.leading = false;
+                    guard.1 = false;
+                    return;
+                }
+                batch
+            };
+            self.round(batch).await;
+        }
+    }
+
+    async fn round(&self, batch: Vec<Request>) {
+        let writers = batch.len();
+        let began = std::time::Instant::now();
+        let _lock = self.write_lock.lock().await;
+        let opened = match self.connection().begin().await {
+            Ok(txn) => {
+                let groups: Vec<&[OwnedTarget]> = batch.iter().map(|r| &r.targets[..]).collect();
+                self.read_currents(&txn, &groups).await.map(|c| (txn, c))
+            }
+            Err(e) => Err(e.into()),
+        };
+        let (txn, currents) = match opened {
+            Ok(opened) => opened,
+            Err(e) => {
+                for request in batch {
+                    request.offer.send(Err(e.duplicate())).ok();
+                }
+                return;
+            }
+        };
+        let base_rv = currents.0;
+        // Offer everyone first, then collect: the writers decide concurrently.
+        let mut offered = Vec::with_capacity(batch.len());
+        for (request, currents) in batch.into_iter().zip(currents.1) {
+            let bodies = currents
+                .iter()
+                .map(|c| c.as_ref().map(|c| c.body.clone()))
+                .collect();
+            if request.offer.send(Ok(bodies)).is_ok() {
+                offered.push((request.targets, currents, request.decision, request.done));
+            }
+        }
+        let mut accepted = Vec::with_capacity(offered.len());
+        for (targets, currents, decision, done) in offered {
+            // A writer that declined (its decision failed) or went away drops its sender.
+            if let Ok(decided) = decision.await {
+                accepted.push(Accepted {
+                    targets,
+                    currents,
+                    decided,
+                    done,
+                });
+            }
+        }
+        if accepted.is_empty() {
+            txn.rollback().await.ok();
+            return;
+        }
+        tracing::debug!(writers, accepted = accepted.len(), "group commit round");
+        let metrics = &self.commit_queue.metrics;
+        let writes: usize = accepted.iter().map(|a| a.targets.len()).sum();
+        match self.apply_and_commit(txn, base_rv, &mut accepted).await {
+            Ok(outcomes) => {
+                metrics.writes.observe(writes as f64);
+                metrics.seconds.observe(began.elapsed().as_secs_f64());
+                for (writer, outcomes) in accepted.into_iter().zip(outcomes) {
+                    writer.done.send(Ok(outcomes)).ok();
+                }
+            }
+            // Whether a failed commit took effect is unknown: retrying could write twice.
+            Err(RoundError::Commit(e)) => {
+                for writer in accepted {
+                    writer.done.send(Err(e.duplicate())).ok();
+                }
+            }
+            Err(RoundError::Statement(e)) if accepted.len() == 1 => {
+                let writer = accepted.pop().expect("one writer");
+                writer.done.send(Err(e)).ok();
+            }
+            Err(RoundError::Statement(e)) => {
+                metrics.retried.inc();
+                tracing::warn!(error = %e, writers = accepted.len(),
+                    "a group commit failed; retrying its writers one at a time");
+                for mut writer in accepted {
+                    let result = self.retry_alone(&mut writer).await;
+                    writer.done.send(result).ok();
+                }
+            }
+        }
+    }
+
+    /// Applies every accepted writer's mutations in order, advances the counter and commits;
+    /// the outcomes are the writers' decisions with the versions they got. The decisions stay
+    /// with the writers until the commit succeeds, for a retry if a statement fails.
+    async fn apply_and_commit(
+        &self,
+        txn: DatabaseTransaction,
+        base_rv: i64,
+        accepted: &mut [Accepted],
+    ) -> Result<Vec<Vec<WriteOutcome>>, RoundError> {
+        let applied = match self.apply_all(&txn, base_rv, accepted).await {
+            Ok(applied) => applied,
+            Err(e) => {
+                txn.rollback().await.ok();
+                return Err(RoundError::Statement(e));
+            }
+        };
+        txn.commit()
+            .await
+            .map_err(|e| RoundError::Commit(e.into()))?;
+        if applied.iter().flatten().any(|a| a.event.is_some()) {
+            self.feed().wake();
+        }
+        Ok(accepted
+            .iter_mut()
+            .zip(applied)
+            .map(|(writer, applied)| {
+                std::mem::take(&mut writer.decided)
+                    .into_iter()
+                    .zip(applied)
+                    .map(|(decided, applied)| decided.into_outcome(applied))
+                    .collect()
+            })
+            .collect())
+    }
+
+    async fn apply_all(
+        &self,
+        txn: &DatabaseTransaction,
+        base_rv: i64,
+        accepted: &mut [Accepted],
+    ) -> Result<Vec<Vec<super::write::Applied>>, StoreError> {
+        let now = super::write::now_unix();
+        let mut rv = base_rv;
+        let mut all = Vec::with_capacity(accepted.len());
+        for writer in accepted.iter_mut() {
+            let mut applied = Vec::with_capacity(writer.targets.len());
+            for ((target, current), decided) in writer
+                .targets
+                .iter()
+                .zip(&writer.currents)
+                .zip(&mut writer.decided)
+            {
+                applied.push(
+                    self.apply_one(
+                        txn,
+                        &target.key,
+                        &target.target(),
+                        current.as_ref(),
+                        decided,
+                        &mut rv,
+                        base_rv,
+                        now,
+                    )
+                    .await?,
+                );
+            }
+            all.push(applied);
+        }
+        if rv != base_rv {
+            self.advance_counter(txn, rv).await?;
+        }
+        Ok(all)
+    }
+
+    /// After a failed round: the writer's decided mutations in a transaction of their own, if
+    /// its targets are still as it saw them (another replica may have written in between).
+    async fn retry_alone(&self, writer: &mut Accepted) -> Result<Vec<WriteOutcome>, StoreError> {
+        let txn = self.connection().begin().await?;
+        let (base_rv, currents) = match self.read_currents(&txn, &[&writer.targets[..]]).await {
+            Ok((base_rv, mut currents)) => (base_rv, currents.pop().unwrap_or_default()),
+            Err(e) => {
+                txn.rollback().await.ok();
+                return Err(e);
+            }
+        };
+        let unchanged = currents
+            .iter()
+            .zip(&writer.currents)
+            .all(|(now, then)| now.as_ref().map(|c| c.rv) == then.as_ref().map(|c| c.rv));
+        if !unchanged {
+            txn.rollback().await.ok();
+            return Err(StoreError::unavailable(
+                "the object changed while this write was being retried; retry the request",
+            ));
+        }
+        writer.currents = currents;
+        let mut outcomes = self
+            .apply_and_commit(txn, base_rv, std::slice::from_mut(writer))
+            .await
+            .map_err(RoundError::into_inner)?;
+        Ok(outcomes.pop().unwrap_or_default())
+    }
+
+    /// Takes the counter's row lock (ordering this transaction against every writer, in this
+    /// process or another) and reads the current row of each request's targets under it.
+    async fn read_currents(
+        &self,
+        txn: &DatabaseTransaction,
+        groups: &[&[OwnedTarget]],
+    ) -> Result<(i64, Vec<Vec<Option<Current>>>), StoreError> {
+        let (base_rv, _) = lock_counter(txn, self.backend(), self.cluster_id()).await?;
+        let all: Vec<&OwnedTarget> = groups.iter().flat_map(|g| g.iter()).collect();
+        let mut found: HashMap<(String, String, String), Current> = HashMap::new();
+        for chunk in all.chunks(KEYS_PER_READ) {
+            let mut any = Condition::any();
+            for t in chunk {
+                any = any.add(
+                    Condition::all()
+                        .add(Expr::col(Objects::Resource).eq(t.key.as_str()))
+                        .add(Expr::col(Objects::Namespace).eq(t.namespace.as_str()))
+                        .add(Expr::col(Objects::Name).eq(t.name.as_str())),
+                );
+            }
+            let rows = txn
+                .query_all(
+                    &Query::select()
+                        .columns([
+                            Objects::Id,
+                            Objects::Resource,
+                            Objects::Namespace,
+                            Objects::Name,
+                            Objects::ResourceVersion,
+                            Objects::Body,
+                        ])
+                        .from(Objects::Table)
+                        .and_where(Expr::col(Objects::ClusterId).eq(self.cluster_id()))
+                        .cond_where(any)
+                        .to_owned(),
+                )
+                .await?;
+            for row in rows {
+                found.insert(
+                    (
+                        row.try_get("", "resource")?,
+                        row.try_get("", "namespace")?,
+                        row.try_get("", "name")?,
+                    ),
+                    Current {
+                        id: row.try_get("", "id")?,
+                        rv: row.try_get("", "resource_version")?,
+                        body: row.try_get("", "body")?,
+                    },
+                );
+            }
+        }
+        let currents = groups
+            .iter()
+            .map(|targets| {
+                targets
+                    .iter()
+                    .map(|t| {
+                        let (key, namespace, name) = t.identity();
+                        found.remove(&(key.to_owned(), namespace.to_owned(), name.to_owned()))
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok((base_rv, currents))
+    }
+}
+
+/// How a round failed: a statement (nothing committed, the writers can be retried alone) or
+/// the commit itself (the outcome is unknown).
+enum RoundError {
+    Statement(StoreError),
+    Commit(StoreError),
+}
+
+impl RoundError {
+    fn into_inner(self) -> StoreError {
+        match self {
+            RoundError::Statement(e) | RoundError::Commit(e) => e,
+        }
+    }
+}
+
+/// The requests of the next round, taken from the front of the queue: up to `max_writes`
+/// targets (at least one request), none naming an object another request of the round names.
+/// Requests left behind keep their order.
+fn take_round(waiting: &mut VecDeque<Request>, max_writes: usize) -> Vec<Request> {
+    let mut round = Vec::new();
+    let mut named: HashSet<(String, String, String)> = HashSet::new();
+    let mut writes = 0;
+    let mut left = VecDeque::with_capacity(waiting.len());
+    while let Some(request) = waiting.pop_front() {
+        let keys: Vec<(String, String, String)> = request
+            .targets
+            .iter()
+            .map(|t| (t.key.clone(), t.namespace.clone(), t.name.clone()))
+            .collect();
+        let fits = round.is_empty() || writes + request.targets.len() <= max_writes;
+        if fits && keys.iter().all(|k| !named.contains(k)) {
+            writes += request.targets.len();
+            named.extend(keys);
+            round.push(request);
+        } else {
+            left.push_back(request);
+            if !fits {
+                break;
+            }
+        }
+    }
+    left.extend(waiting.drain(..));
+    *waiting = left;
+    round
+}
