@@ -76,6 +76,42 @@ impl PartialEq for Change {
 }
 
 impl Change {
+    /// The entry of a write this process has just committed, built from what it wrote (the
+    /// same fields `write::change_insert` stores). `previous` is the object before the write,
+    /// `None` for a creation.
+    pub(super) fn committed(
+        resource_version: i64,
+        resource: &str,
+        namespace: &str,
+        name: &str,
+        event: EventType,
+        object: &Value,
+        previous: Option<&Value>,
+    ) -> Change {
+        let labels_of = |o: &Value| {
+            o["metadata"]["labels"]
+                .as_object()
+                .map(|labels| {
+                    labels
+                        .iter()
+                        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        Change {
+            resource_version,
+            resource: resource.to_owned(),
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            event,
+            labels: labels_of(object),
+            prev_labels: previous.map(labels_of),
+            object: Arc::new(object.clone()),
+            encoded: Default::default(),
+        }
+    }
+
     /// The object as it is sent: with this change's resourceVersion.
     pub fn object_with_version(&self) -> Value {
         let mut object = (*self.object).clone();
@@ -150,6 +186,25 @@ impl ChangeFeed {
         )
     }
 
+    /// Broadcasts entries this process has just committed without reading them back, when
+    /// they directly follow what was delivered (`after` is the version before the first one);
+    /// otherwise another process's entries come first and the poller delivers them all in
+    /// order. Returns whether it broadcast them. This is how a local write's event reaches the
+    /// watchers before its writer's response is sent.
+    pub(super) async fn publish_committed(&self, after: i64, changes: Vec<Change>) -> bool {
+        let _gate = self.inner.gate.lock().await;
+        if self.delivered() != after {
+            return false;
+        }
+        for change in changes {
+            self.inner
+                .delivered
+                .store(change.resource_version, Ordering::SeqCst);
+            let _ = self.inner.sender.send(Arc::new(change));
+        }
+        true
+    }
+
     /// Highest resourceVersion broadcast so far.
     pub fn delivered(&self) -> i64 {
         self.inner.delivered.load(Ordering::SeqCst)
@@ -197,6 +252,10 @@ impl ChangeFeed {
             let full = changes.len() as u64 == BATCH;
             let _gate = self.inner.gate.lock().await;
             for change in changes {
+                // Published by the writer while this read ran.
+                if change.resource_version <= self.delivered() {
+                    continue;
+                }
                 self.inner
                     .delivered
                     .store(change.resource_version, Ordering::SeqCst);

@@ -29,12 +29,16 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{Condition, Expr, ExprTrait, Query};
-use sea_orm::{ConnectionTrait, DatabaseTransaction, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, TransactionTrait};
+use serde_json::Value;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
+use super::feed::{Change, EventType};
 use super::schema::Objects;
-use super::write::{Current, Decided, Target, WriteOutcome, lock_counter};
+use super::write::{
+    Applied, Current, Decided, Mutation, NewObjects, Target, WriteOutcome, lock_counter,
+};
 use super::{Store, StoreError};
 
 /// Keys per current-row SELECT: bind parameters stay far below every backend's limit.
@@ -324,20 +328,27 @@ impl Store {
         txn.commit()
             .await
             .map_err(|e| RoundError::Commit(e.into()))?;
-        if applied.iter().flatten().any(|a| a.event.is_some()) {
-            self.feed().wake();
-        }
-        Ok(accepted
+        let mut committed = Vec::new();
+        let outcomes = accepted
             .iter_mut()
             .zip(applied)
             .map(|(writer, applied)| {
                 std::mem::take(&mut writer.decided)
                     .into_iter()
                     .zip(applied)
-                    .map(|(decided, applied)| decided.into_outcome(applied))
+                    .zip(&writer.targets)
+                    .map(|((decided, applied), target)| {
+                        committed.extend(change_of(target, &decided, &applied));
+                        decided.into_outcome(applied)
+                    })
                     .collect()
             })
-            .collect())
+            .collect();
+        // The events go out before the writers answer their clients.
+        if !committed.is_empty() && !self.feed().publish_committed(base_rv, committed).await {
+            self.feed().wake();
+        }
+        Ok(outcomes)
     }
 
     async fn apply_all(
@@ -345,10 +356,19 @@ impl Store {
         txn: &DatabaseTransaction,
         base_rv: i64,
         accepted: &mut [Accepted],
-    ) -> Result<Vec<Vec<super::write::Applied>>, StoreError> {
+    ) -> Result<Vec<Vec<Applied>>, StoreError> {
         let now = super::write::now_unix();
         let mut rv = base_rv;
         let mut all = Vec::with_capacity(accepted.len());
+        // Creates go into multi-row statements when there are several (one create is cheaper
+        // alone: on PostgreSQL it is one statement); MySQL has no `INSERT … RETURNING`.
+        let creates = accepted
+            .iter()
+            .flat_map(|w| w.currents.iter().zip(&w.decided))
+            .filter(|(current, d)| current.is_none() && matches!(d.mutation, Mutation::Put(_)))
+            .count();
+        let stage_creates = creates > 1 && self.backend() != DbBackend::MySql;
+        let mut staged = NewObjects::default();
         for writer in accepted.iter_mut() {
             let mut applied = Vec::with_capacity(writer.targets.len());
             for ((target, current), decided) in writer
@@ -357,6 +377,18 @@ impl Store {
                 .zip(&writer.currents)
                 .zip(&mut writer.decided)
             {
+                if let (true, None, Mutation::Put(object)) =
+                    (stage_creates, current, &mut decided.mutation)
+                {
+                    rv += 1;
+                    object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+                    self.stage_create(&mut staged, &target.key, &target.target(), object, rv, now);
+                    applied.push(Applied {
+                        event: Some(EventType::Added),
+                        resource_version: rv,
+                    });
+                    continue;
+                }
                 applied.push(
                     self.apply_one(
                         txn,
@@ -372,6 +404,9 @@ impl Store {
                 );
             }
             all.push(applied);
+        }
+        if !staged.is_empty() {
+            self.insert_staged(txn, staged).await?;
         }
         if rv != base_rv {
             self.advance_counter(txn, rv).await?;
@@ -474,6 +509,29 @@ impl Store {
             .collect();
         Ok((base_rv, currents))
     }
+}
+
+/// The change-log entry of a committed write, for the feed (see
+/// [`super::feed::ChangeFeed::publish_committed`]).
+fn change_of(target: &OwnedTarget, decided: &Decided, applied: &Applied) -> Option<Change> {
+    let event = applied.event?;
+    let (object, previous) = match (&decided.mutation, event) {
+        (Mutation::Put(object), _) => (object, decided.current.as_ref()),
+        (_, EventType::Deleted) => {
+            let last = decided.current.as_ref()?;
+            (last, Some(last))
+        }
+        _ => return None,
+    };
+    Some(Change::committed(
+        applied.resource_version,
+        &target.key,
+        &target.namespace,
+        &target.name,
+        event,
+        object,
+        previous,
+    ))
 }
 
 /// How a round failed: a statement (nothing committed, the writers can be retried alone) or

@@ -10,6 +10,8 @@
 //! in the same transaction, so a watch resuming from an older resourceVersion still gets each
 //! version as it was. Only versions inside the retention window are ever stored twice over.
 
+use std::collections::HashMap;
+
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{
     Alias, CommonTableExpression, Condition, Expr, ExprTrait, Func, InsertStatement, OnConflict,
@@ -363,55 +365,8 @@ impl Store {
     ) -> Result<(), StoreError> {
         let cols = ObjectColumns::of(t.resource, object);
         let results = result_rows(t.resource, object);
-        let mut insert = Query::insert();
-        insert
-            .into_table(Objects::Table)
-            .columns([
-                Objects::ClusterId,
-                Objects::Resource,
-                Objects::Namespace,
-                Objects::Name,
-                Objects::Uid,
-                Objects::ResourceVersion,
-                Objects::Generation,
-                Objects::CreatedAt,
-                Objects::DeletedAt,
-                Objects::OwnerUids,
-                Objects::SummaryPass,
-                Objects::SummaryFail,
-                Objects::SummaryWarn,
-                Objects::SummaryError,
-                Objects::SummarySkip,
-                Objects::ScopeKind,
-                Objects::ScopeNamespace,
-                Objects::ScopeName,
-                Objects::ScopeUid,
-                Objects::Metadata,
-                Objects::Body,
-            ])
-            .values_panic([
-                self.cluster_id().into(),
-                key.into(),
-                t.namespace.into(),
-                t.name.into(),
-                cols.uid.clone().into(),
-                rv.into(),
-                cols.generation.into(),
-                cols.created_at.into(),
-                cols.deleted_at.into(),
-                cols.owner_uids.clone().into(),
-                cols.summary[0].into(),
-                cols.summary[1].into(),
-                cols.summary[2].into(),
-                cols.summary[3].into(),
-                cols.summary[4].into(),
-                cols.scope_kind.clone().into(),
-                cols.scope_namespace.clone().into(),
-                cols.scope_name.clone().into(),
-                cols.scope_uid.clone().into(),
-                cols.metadata.clone().into(),
-                body.into(),
-            ]);
+        let mut insert = objects_head();
+        insert.values_panic(self.object_values(key, t, &cols, body, rv));
         match self.backend() {
             DbBackend::Postgres if results.len() <= RESULT_ROWS_PER_STATEMENT => {
                 insert.returning_col(Objects::Id);
@@ -568,12 +523,7 @@ impl Store {
         if cols.labels.is_empty() {
             return None;
         }
-        let mut insert = Query::insert();
-        insert.into_table(ObjectLabels::Table).columns([
-            ObjectLabels::ObjectId,
-            ObjectLabels::Key,
-            ObjectLabels::Value,
-        ]);
+        let mut insert = labels_head();
         for (k, v) in &cols.labels {
             insert.values_panic([id.clone(), k.clone().into(), v.clone().into()]);
         }
@@ -590,56 +540,73 @@ impl Store {
     ) -> Vec<InsertStatement> {
         rows.chunks(RESULT_ROWS_PER_STATEMENT)
             .map(|chunk| {
-                let mut insert = Query::insert();
-                insert.into_table(Results::Table).columns([
-                    Results::ObjectId,
-                    Results::ClusterId,
-                    Results::Resource,
-                    Results::Namespace,
-                    Results::ReportName,
-                    Results::Source,
-                    Results::Policy,
-                    Results::Rule,
-                    Results::Result,
-                    Results::Severity,
-                    Results::Category,
-                    Results::Scored,
-                    Results::SubjectApiVersion,
-                    Results::SubjectKind,
-                    Results::SubjectNamespace,
-                    Results::SubjectName,
-                    Results::SubjectUid,
-                    Results::Timestamp,
-                    Results::Message,
-                    Results::Properties,
-                ]);
+                let mut insert = results_head();
                 for r in chunk {
-                    insert.values_panic([
-                        id.clone(),
-                        self.cluster_id().into(),
-                        key.into(),
-                        t.namespace.into(),
-                        t.name.into(),
-                        r.source.clone().into(),
-                        r.policy.clone().into(),
-                        r.rule.clone().into(),
-                        r.result.clone().into(),
-                        r.severity.clone().into(),
-                        r.category.clone().into(),
-                        r.scored.into(),
-                        r.subject_api_version.clone().into(),
-                        r.subject_kind.clone().into(),
-                        r.subject_namespace.clone().into(),
-                        r.subject_name.clone().into(),
-                        r.subject_uid.clone().into(),
-                        r.timestamp.into(),
-                        r.message.clone().into(),
-                        r.properties.clone().into(),
-                    ]);
+                    insert.values_panic(self.result_values(id, key, t, r));
                 }
                 insert
             })
             .collect()
+    }
+
+    /// The values of an `objects` row, in [`objects_head`]'s column order.
+    fn object_values(
+        &self,
+        key: &str,
+        t: &Target<'_>,
+        cols: &ObjectColumns,
+        body: String,
+        rv: i64,
+    ) -> [Expr; 21] {
+        [
+            self.cluster_id().into(),
+            key.into(),
+            t.namespace.into(),
+            t.name.into(),
+            cols.uid.clone().into(),
+            rv.into(),
+            cols.generation.into(),
+            cols.created_at.into(),
+            cols.deleted_at.into(),
+            cols.owner_uids.clone().into(),
+            cols.summary[0].into(),
+            cols.summary[1].into(),
+            cols.summary[2].into(),
+            cols.summary[3].into(),
+            cols.summary[4].into(),
+            cols.scope_kind.clone().into(),
+            cols.scope_namespace.clone().into(),
+            cols.scope_name.clone().into(),
+            cols.scope_uid.clone().into(),
+            cols.metadata.clone().into(),
+            body.into(),
+        ]
+    }
+
+    /// The values of a `results` row, in [`results_head`]'s column order.
+    fn result_values(&self, id: &Expr, key: &str, t: &Target<'_>, r: &ResultRow) -> [Expr; 20] {
+        [
+            id.clone(),
+            self.cluster_id().into(),
+            key.into(),
+            t.namespace.into(),
+            t.name.into(),
+            r.source.clone().into(),
+            r.policy.clone().into(),
+            r.rule.clone().into(),
+            r.result.clone().into(),
+            r.severity.clone().into(),
+            r.category.clone().into(),
+            r.scored.into(),
+            r.subject_api_version.clone().into(),
+            r.subject_kind.clone().into(),
+            r.subject_namespace.clone().into(),
+            r.subject_name.clone().into(),
+            r.subject_uid.clone().into(),
+            r.timestamp.into(),
+            r.message.clone().into(),
+            r.properties.clone().into(),
+        ]
     }
 
     /// The change-log entry of a write.
@@ -655,6 +622,24 @@ impl Store {
         rv: i64,
         now: i64,
     ) -> InsertStatement {
+        let mut insert = changes_head();
+        insert.values_panic(self.change_values(key, t, event, object, previous, body, rv, now));
+        insert
+    }
+
+    /// The values of a `changes` row, in [`changes_head`]'s column order.
+    #[allow(clippy::too_many_arguments)]
+    fn change_values(
+        &self,
+        key: &str,
+        t: &Target<'_>,
+        event: EventType,
+        object: &Value,
+        previous: Option<&Value>,
+        body: String,
+        rv: i64,
+        now: i64,
+    ) -> [Expr; 10] {
         let labels_of = |o: &Value| {
             o["metadata"]
                 .get("labels")
@@ -665,35 +650,251 @@ impl Store {
         // Watches with a label selector need the old labels to turn "stopped matching" into
         // DELETED and "started matching" into ADDED, as kube-apiserver does.
         let prev_labels = previous.map(labels_of).unwrap_or(Value::Null);
-        Query::insert()
-            .into_table(Changes::Table)
-            .columns([
-                Changes::ClusterId,
-                Changes::Rv,
-                Changes::Resource,
-                Changes::Namespace,
-                Changes::Name,
-                Changes::EventType,
-                Changes::Labels,
-                Changes::PrevLabels,
-                Changes::Body,
-                Changes::CreatedAt,
-            ])
-            .values_panic([
-                self.cluster_id().into(),
-                rv.into(),
-                key.into(),
-                t.namespace.into(),
-                t.name.into(),
-                event.as_str().into(),
-                labels.to_string().into(),
-                prev_labels.to_string().into(),
-                body.into(),
-                now.into(),
-            ])
-            .on_conflict(OnConflict::new().do_nothing().to_owned())
-            .to_owned()
+        [
+            self.cluster_id().into(),
+            rv.into(),
+            key.into(),
+            t.namespace.into(),
+            t.name.into(),
+            event.as_str().into(),
+            labels.to_string().into(),
+            prev_labels.to_string().into(),
+            body.into(),
+            now.into(),
+        ]
     }
+}
+
+/// Objects created in one group commit round, written after the round's other writes with
+/// multi-row statements: a handful of round trips for all of them instead of a few per create
+/// (creates are the commonest write: Kyverno's ephemeral reports).
+#[derive(Default)]
+pub(super) struct NewObjects {
+    rows: Vec<[Expr; 21]>,
+    sides: Vec<NewObjectSides>,
+    changes: Vec<[Expr; 10]>,
+}
+
+/// What a new object's side rows need once its id is known.
+struct NewObjectSides {
+    resource: &'static ResourceDescriptor,
+    key: String,
+    namespace: String,
+    name: String,
+    labels: std::collections::BTreeMap<String, String>,
+    results: Vec<ResultRow>,
+}
+
+impl NewObjects {
+    pub(super) fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+}
+
+/// Rows per multi-row INSERT of new objects (21 bind parameters each).
+const OBJECTS_PER_STATEMENT: usize = 500;
+
+impl Store {
+    /// Stages the creation of `object` (its resourceVersion already set to `rv`) for
+    /// [`Store::insert_staged`].
+    pub(super) fn stage_create(
+        &self,
+        staged: &mut NewObjects,
+        key: &str,
+        t: &Target<'_>,
+        object: &Value,
+        rv: i64,
+        now: i64,
+    ) {
+        let cols = ObjectColumns::of(t.resource, object);
+        staged.changes.push(self.change_values(
+            key,
+            t,
+            EventType::Added,
+            object,
+            None,
+            BODY_IN_OBJECTS.to_owned(),
+            rv,
+            now,
+        ));
+        staged
+            .rows
+            .push(self.object_values(key, t, &cols, object.to_string(), rv));
+        staged.sides.push(NewObjectSides {
+            resource: t.resource,
+            key: key.to_owned(),
+            namespace: t.namespace.to_owned(),
+            name: t.name.to_owned(),
+            labels: cols.labels,
+            results: result_rows(t.resource, object),
+        });
+    }
+
+    /// Inserts the staged objects, then their labels, result rows and change-log entries.
+    pub(super) async fn insert_staged(
+        &self,
+        txn: &DatabaseTransaction,
+        staged: NewObjects,
+    ) -> Result<(), StoreError> {
+        let mut ids: HashMap<(String, String, String), i64> = HashMap::new();
+        let mut rows = staged.rows.into_iter().peekable();
+        while rows.peek().is_some() {
+            let mut insert = objects_head();
+            for row in rows.by_ref().take(OBJECTS_PER_STATEMENT) {
+                insert.values_panic(row);
+            }
+            insert.returning(Query::returning().columns([
+                Objects::Id,
+                Objects::Resource,
+                Objects::Namespace,
+                Objects::Name,
+            ]));
+            for row in txn.query_all(&insert).await.map_err(unique_to_exists)? {
+                ids.insert(
+                    (
+                        row.try_get("", "resource")?,
+                        row.try_get("", "namespace")?,
+                        row.try_get("", "name")?,
+                    ),
+                    row.try_get("", "id")?,
+                );
+            }
+        }
+        let mut labels = Vec::new();
+        let mut results = Vec::new();
+        for side in &staged.sides {
+            let id = ids
+                .get(&(side.key.clone(), side.namespace.clone(), side.name.clone()))
+                .ok_or_else(|| {
+                    StoreError::Inconsistent(format!(
+                        "INSERT … RETURNING returned no id for {} {}/{}",
+                        side.key, side.namespace, side.name
+                    ))
+                })?;
+            let id = Expr::val(*id);
+            let t = Target {
+                resource: side.resource,
+                namespace: &side.namespace,
+                name: &side.name,
+            };
+            for (k, v) in &side.labels {
+                labels.push([id.clone(), k.clone().into(), v.clone().into()]);
+            }
+            for r in &side.results {
+                results.push(self.result_values(&id, &side.key, &t, r));
+            }
+        }
+        insert_in_chunks(txn, labels_head, labels).await?;
+        insert_in_chunks(txn, results_head, results).await?;
+        insert_in_chunks(txn, changes_head, staged.changes).await
+    }
+}
+
+/// Inserts `rows` with `head`, [`RESULT_ROWS_PER_STATEMENT`] rows per statement.
+async fn insert_in_chunks<const N: usize>(
+    txn: &DatabaseTransaction,
+    head: fn() -> InsertStatement,
+    rows: Vec<[Expr; N]>,
+) -> Result<(), StoreError> {
+    let mut rows = rows.into_iter().peekable();
+    while rows.peek().is_some() {
+        let mut insert = head();
+        for row in rows.by_ref().take(RESULT_ROWS_PER_STATEMENT) {
+            insert.values_panic(row);
+        }
+        txn.execute(&insert).await?;
+    }
+    Ok(())
+}
+
+/// `INSERT INTO objects (…)` without values; [`Store::object_values`] gives a row.
+fn objects_head() -> InsertStatement {
+    Query::insert()
+        .into_table(Objects::Table)
+        .columns([
+            Objects::ClusterId,
+            Objects::Resource,
+            Objects::Namespace,
+            Objects::Name,
+            Objects::Uid,
+            Objects::ResourceVersion,
+            Objects::Generation,
+            Objects::CreatedAt,
+            Objects::DeletedAt,
+            Objects::OwnerUids,
+            Objects::SummaryPass,
+            Objects::SummaryFail,
+            Objects::SummaryWarn,
+            Objects::SummaryError,
+            Objects::SummarySkip,
+            Objects::ScopeKind,
+            Objects::ScopeNamespace,
+            Objects::ScopeName,
+            Objects::ScopeUid,
+            Objects::Metadata,
+            Objects::Body,
+        ])
+        .to_owned()
+}
+
+fn labels_head() -> InsertStatement {
+    Query::insert()
+        .into_table(ObjectLabels::Table)
+        .columns([
+            ObjectLabels::ObjectId,
+            ObjectLabels::Key,
+            ObjectLabels::Value,
+        ])
+        .to_owned()
+}
+
+/// `INSERT INTO results (…)`; [`Store::result_values`] gives a row.
+fn results_head() -> InsertStatement {
+    Query::insert()
+        .into_table(Results::Table)
+        .columns([
+            Results::ObjectId,
+            Results::ClusterId,
+            Results::Resource,
+            Results::Namespace,
+            Results::ReportName,
+            Results::Source,
+            Results::Policy,
+            Results::Rule,
+            Results::Result,
+            Results::Severity,
+            Results::Category,
+            Results::Scored,
+            Results::SubjectApiVersion,
+            Results::SubjectKind,
+            Results::SubjectNamespace,
+            Results::SubjectName,
+            Results::SubjectUid,
+            Results::Timestamp,
+            Results::Message,
+            Results::Properties,
+        ])
+        .to_owned()
+}
+
+/// `INSERT INTO changes (…) … ON CONFLICT DO NOTHING`; [`Store::change_values`] gives a row.
+fn changes_head() -> InsertStatement {
+    Query::insert()
+        .into_table(Changes::Table)
+        .columns([
+            Changes::ClusterId,
+            Changes::Rv,
+            Changes::Resource,
+            Changes::Namespace,
+            Changes::Name,
+            Changes::EventType,
+            Changes::Labels,
+            Changes::PrevLabels,
+            Changes::Body,
+            Changes::CreatedAt,
+        ])
+        .on_conflict(OnConflict::new().do_nothing().to_owned())
+        .to_owned()
 }
 
 /// The primary key already taken: the driver's unique-violation code, not its wording.
