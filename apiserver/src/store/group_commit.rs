@@ -289,6 +289,8 @@ impl Store {
             }
             // Whether a failed commit took effect is unknown: retrying could write twice.
             Err(RoundError::Commit(e)) => {
+                // If it did, the feed must still deliver the round's changes.
+                self.feed().wake();
                 for writer in accepted {
                     writer.done.send(Err(e.duplicate())).ok();
                 }
