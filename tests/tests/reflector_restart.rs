@@ -352,16 +352,11 @@ fn verify(
 
 /// The current set and version, read from the database with the store library.
 async fn store_state(store: &Store) -> (BTreeMap<Key, u64>, u64) {
-    use reports_server_apiserver::selector::{FieldSelector, LabelSelector};
+    use reports_server_apiserver::store::ListQuery;
     let page = store
-        .list(&reports_server_apiserver::store::ListQuery {
-            resource: &POLICY_REPORT,
-            namespace: None,
-            labels: LabelSelector::parse("").unwrap(),
-            fields: FieldSelector::parse("").unwrap(),
-            limit: None,
-            after: None,
+        .list(&ListQuery {
             metadata_only: true,
+            ..ListQuery::all(&POLICY_REPORT)
         })
         .await
         .unwrap();

@@ -16,7 +16,6 @@ use reports_server_aggregator::{
     merge_page,
 };
 use reports_server_apiserver::report_merge::{InProcessAggregator, StoreBackend};
-use reports_server_apiserver::selector::{FieldSelector, LabelSelector};
 use reports_server_apiserver::store::feed::read_changes;
 use reports_server_apiserver::store::{ListQuery, Mutation, Store, StoreError, StoreOptions};
 use reports_server_crds::catalog::{
@@ -93,13 +92,8 @@ async fn put_ephemeral(store: &Store, subject: &Subject, ts: i64, failing: &[usi
 async fn list(store: &Store, desc: &'static ResourceDescriptor, ns: &str) -> Vec<Value> {
     let page = store
         .list(&ListQuery {
-            resource: desc,
             namespace: Some(ns.to_owned()),
-            labels: LabelSelector::default(),
-            fields: FieldSelector::default(),
-            limit: None,
-            after: None,
-            metadata_only: false,
+            ..ListQuery::all(desc)
         })
         .await
         .unwrap();

@@ -293,13 +293,8 @@ async fn the_current_resource_version_is_never_zero() {
         assert!(compacted <= current, "{backend:?}");
         let page = store
             .list(&ListQuery {
-                resource: &POLICY_REPORT,
-                namespace: None,
-                labels: LabelSelector::parse("").unwrap(),
-                fields: FieldSelector::parse("").unwrap(),
                 limit: Some(10),
-                after: None,
-                metadata_only: false,
+                ..ListQuery::all(&POLICY_REPORT)
             })
             .await
             .unwrap();
@@ -640,13 +635,8 @@ async fn group_commit_keeps_versions_gapless_and_commit_ordered_under_32_writers
         // exactly its own label and result rows.
         let all = store
             .list(&ListQuery {
-                resource: &POLICY_REPORT,
-                namespace: None,
-                labels: LabelSelector::parse("").unwrap(),
-                fields: FieldSelector::parse("").unwrap(),
-                limit: None,
-                after: None,
-                metadata_only: false,
+                metadata_only: true,
+                ..ListQuery::all(&POLICY_REPORT)
             })
             .await
             .unwrap()
@@ -686,13 +676,9 @@ async fn group_commit_keeps_versions_gapless_and_commit_ordered_under_32_writers
         }
         let with_kyverno_label = store
             .list(&ListQuery {
-                resource: &POLICY_REPORT,
-                namespace: None,
                 labels: LabelSelector::parse("app.kubernetes.io/managed-by=kyverno").unwrap(),
-                fields: FieldSelector::parse("").unwrap(),
-                limit: None,
-                after: None,
                 metadata_only: true,
+                ..ListQuery::all(&POLICY_REPORT)
             })
             .await
             .unwrap()

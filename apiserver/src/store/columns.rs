@@ -34,6 +34,18 @@ fn string(v: Option<&Value>) -> Option<String> {
     v.and_then(Value::as_str).map(str::to_owned)
 }
 
+/// `metadata.labels` as a map (empty when absent).
+pub fn labels_of(object: &Value) -> BTreeMap<String, String> {
+    object["metadata"]["labels"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 impl ObjectColumns {
     pub fn of(desc: &ResourceDescriptor, object: &Value) -> Self {
         let meta = &object["metadata"];
@@ -43,14 +55,7 @@ impl ObjectColumns {
         };
         let count = |k: &str| summary.get(k).and_then(Value::as_i64).unwrap_or(0);
         let scope = &object["scope"];
-        let labels = meta["labels"]
-            .as_object()
-            .map(|m| {
-                m.iter()
-                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let labels = labels_of(object);
         let owner_uids = meta["ownerReferences"]
             .as_array()
             .map(|refs| {

@@ -15,6 +15,7 @@ use sea_orm::{ConnectionTrait, DbBackend};
 use serde_json::Value;
 use tokio::sync::{Notify, broadcast};
 
+use super::columns::labels_of;
 use super::schema::{Changes, Objects};
 use super::write::{BODY_IN_OBJECTS, object_row_of_change};
 use super::{Store, StoreError, parse_document};
@@ -88,17 +89,6 @@ impl Change {
         object: &Value,
         previous: Option<&Value>,
     ) -> Change {
-        let labels_of = |o: &Value| {
-            o["metadata"]["labels"]
-                .as_object()
-                .map(|labels| {
-                    labels
-                        .iter()
-                        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
         Change {
             resource_version,
             resource: resource.to_owned(),

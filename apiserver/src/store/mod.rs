@@ -190,8 +190,9 @@ pub struct Store {
     backend: DbBackend,
     cluster_id: Arc<str>,
     options: Arc<StoreOptions>,
-    /// Serializes this process's write transactions; the counter row lock serializes them across
-    /// processes. Holding it here keeps SQLite from spinning on busy timeouts.
+    /// Serializes this process's write transactions (group commit rounds, compaction, raising
+    /// the version floor); the counter row lock serializes them across processes. Holding it
+    /// here keeps SQLite from spinning on busy timeouts.
     write_lock: Arc<tokio::sync::Mutex<()>>,
     /// Writers waiting for the next group commit round (see `group_commit`).
     commit_queue: Arc<group_commit::CommitQueue>,

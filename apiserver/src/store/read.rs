@@ -44,6 +44,22 @@ pub struct ListQuery {
     pub metadata_only: bool,
 }
 
+impl ListQuery {
+    /// Every object of `resource` in all namespaces, bodies included, in one page; narrow it
+    /// with struct update syntax (`ListQuery { limit: Some(10), ..ListQuery::all(r) }`).
+    pub fn all(resource: &'static ResourceDescriptor) -> Self {
+        ListQuery {
+            resource,
+            namespace: None,
+            labels: LabelSelector::default(),
+            fields: FieldSelector::default(),
+            limit: None,
+            after: None,
+            metadata_only: false,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct ListPage {
     pub rows: Vec<ListRow>,
