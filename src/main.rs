@@ -185,6 +185,15 @@ struct ServeArgs {
         default_value_t = 100_000
     )]
     watch_history_max_events: i64,
+    /// Bytes of recent changes buffered for live watchers (their JSON, shared by all of them);
+    /// a watcher further behind is cut off and resumes from the change log. Default 64 MiB.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_WATCH_BUFFER_BYTES",
+        default_value_t = 64 * 1024 * 1024,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    watch_buffer_bytes: u64,
     /// Authentication and authorization: standalone or delegated to the cluster.
     #[arg(
         long,
@@ -316,6 +325,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut store = args.database.store_options()?;
     store.watch_history = Duration::from_secs(args.watch_history_seconds);
     store.watch_history_max_events = args.watch_history_max_events;
+    store.watch_buffer_bytes = usize::try_from(args.watch_buffer_bytes)
+        .context("--watch-buffer-bytes does not fit this machine's address space")?;
     store.compaction_interval = Duration::from_secs(args.compaction_interval_seconds.max(1));
     let data_dir = PathBuf::from(&args.database.data_dir);
     let kubeconfig = args

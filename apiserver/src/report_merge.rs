@@ -62,15 +62,17 @@ use sea_orm::{
     AccessMode, ConnectionTrait, DbBackend, IsolationLevel, Statement, TransactionTrait,
 };
 use serde_json::Value;
-use tokio::sync::{broadcast, watch};
+use tokio::sync::watch;
 
 use crate::registry::{
     DeletePreconditions, FieldValidation, RegistryError, ResourceRef, Validation, decide_delete,
     decide_update, prepare_create,
 };
+use crate::store::feed::Subscription;
 use crate::store::lease::StoreLease;
+use crate::store::ring::Lagged;
 use crate::store::write_target::Target;
-use crate::store::{Change, EventType, Mutation, Store, StoreError, parse_document};
+use crate::store::{EventType, Mutation, Store, StoreError, parse_document};
 
 /// Why reading or applying failed. Converted to the aggregator's [`BackendError`], whose
 /// variant decides nothing but the log line: every failure is retried with backoff.
@@ -960,7 +962,7 @@ async fn enqueue_all(
 async fn follow_changes(
     backend: &StoreBackend,
     aggregator: &Aggregator<StoreBackend>,
-    mut changes: broadcast::Receiver<Arc<Change>>,
+    mut changes: Subscription,
     cancel: &CancellationToken,
 ) {
     enqueue_all(backend, aggregator, cancel, Sweep::Ephemerals).await;
@@ -975,14 +977,13 @@ async fn follow_changes(
                     aggregator.enqueue(change.namespace.as_str());
                 }
             }
-            Err(broadcast::error::RecvError::Lagged(missed)) => {
+            Err(Lagged(missed)) => {
                 tracing::warn!(
                     missed,
                     "aggregation fell behind the change feed; re-enqueuing every namespace"
                 );
                 enqueue_all(backend, aggregator, cancel, Sweep::Ephemerals).await;
             }
-            Err(broadcast::error::RecvError::Closed) => return,
         }
     }
 }

@@ -118,7 +118,7 @@ async fn two_writers_on_one_database_stay_ordered() {
         // Each object carries the resourceVersion of its change.
         for c in &changes {
             assert_eq!(
-                c.object["metadata"]["resourceVersion"],
+                c.object()["metadata"]["resourceVersion"],
                 json!(c.resource_version.to_string())
             );
         }
@@ -388,10 +388,10 @@ async fn each_version_reaches_a_resumed_watch_with_one_body_copy_stored() {
                 (
                     c.resource_version,
                     c.name.clone(),
-                    c.object["metadata"]["labels"]["step"]
+                    c.object()["metadata"]["labels"]["step"]
                         .as_str()
                         .map(str::to_owned),
-                    c.object["metadata"]["resourceVersion"]
+                    c.object()["metadata"]["resourceVersion"]
                         .as_str()
                         .unwrap()
                         .to_owned(),
@@ -470,7 +470,7 @@ async fn the_one_body_copy_migration_and_its_downgrade_keep_every_event() {
         let events = |changes: Vec<reports_server_apiserver::store::Change>| {
             changes
                 .into_iter()
-                .map(|c| (c.resource_version, (*c.object).clone()))
+                .map(|c| (c.resource_version, c.object()))
                 .collect::<Vec<_>>()
         };
         let before = events(read_changes(&store, start, None, 100).await.unwrap());
@@ -604,7 +604,7 @@ async fn group_commit_keeps_versions_gapless_and_commit_ordered_under_32_writers
         for c in &changes {
             if c.event != EventType::Deleted {
                 assert_eq!(
-                    c.object["metadata"]["resourceVersion"],
+                    c.object()["metadata"]["resourceVersion"],
                     json!(c.resource_version.to_string()),
                     "{backend:?}"
                 );

@@ -34,7 +34,6 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde_json::{Value, json};
-use tokio::sync::broadcast::{self, error::RecvError};
 use tokio::time::{Interval, Sleep};
 
 use super::AppState;
@@ -43,7 +42,10 @@ use super::render::{accept, include_object, render_object};
 use super::request::Params;
 use super::status::ApiError;
 use crate::registry::{Cause, RegistryError, ResourceRef};
-use crate::store::feed::read_changes;
+use crate::store::feed::{Subscription, read_changes};
+use crate::store::ring::Lagged;
+#[cfg(test)]
+use crate::store::ring::Ring;
 use crate::store::{Change, EventType, ListQuery, Store};
 use crate::store::{ListPage, StoreError};
 use reports_server_crds::ResourceDescriptor;
@@ -234,7 +236,7 @@ enum Phase {
 
 /// Where the live phase gets its changes and its timing.
 pub struct Live {
-    pub feed: broadcast::Receiver<Arc<Change>>,
+    pub feed: Subscription,
     /// Highest version the feed had delivered when the watch subscribed: the replay ends here.
     pub delivered: i64,
     /// `Some` when the client allows bookmarks.
@@ -484,8 +486,7 @@ impl<S: WatchSource> WatchMachine<S> {
                         .collect();
                     LiveStep::Events(events, change.resource_version)
                 }
-                Err(RecvError::Lagged(skipped)) => LiveStep::CutOff(skipped),
-                Err(RecvError::Closed) => LiveStep::End(Vec::new()),
+                Err(Lagged(skipped)) => LiveStep::CutOff(skipped),
             },
         }
     }
@@ -593,10 +594,16 @@ pub async fn watch(
         }
         Event::Change(kind, change) => match n.representation {
             Representation::Object => object_event_line(kind.as_str(), change.object_json()),
-            _ => event_line(
-                kind.as_str(),
-                &render_object(resource, n, include, &change.object_with_version()),
-            ),
+            // Every watcher of one representation shares its rendering of a change.
+            _ => {
+                let rendered = change.rendered(&format!("{n:?}/{include:?}"), |object| {
+                    Bytes::from(
+                        serde_json::to_vec(&render_object(resource, n, include, &object))
+                            .expect("rendered objects serialize"),
+                    )
+                });
+                object_event_line(kind.as_str(), &rendered)
+            }
         },
         Event::Bookmark {
             resource_version,
@@ -790,17 +797,16 @@ mod tests {
         now: &[(&str, &str)],
         before: Option<&[(&str, &str)]>,
     ) -> Change {
-        Change {
-            resource_version: rv,
-            resource: Store::resource_key(&POLICY_REPORT),
-            namespace: "ns".into(),
-            name: name.into(),
+        Change::new(
+            rv,
+            &Store::resource_key(&POLICY_REPORT),
+            "ns",
+            name,
             event,
-            labels: labels(now),
-            prev_labels: before.map(labels),
-            object: Arc::new(object(name, rv)),
-            encoded: Default::default(),
-        }
+            labels(now),
+            before.map(labels),
+            &object(name, rv),
+        )
     }
 
     fn filter(selector: &str) -> Filter {
@@ -814,8 +820,10 @@ mod tests {
         }
     }
 
-    fn live(delivered: i64, bookmarks: Option<Duration>) -> (Live, broadcast::Sender<Arc<Change>>) {
-        let (sender, feed) = broadcast::channel(16);
+    /// A live phase on a feed buffer of 16 one-byte entries.
+    fn live(delivered: i64, bookmarks: Option<Duration>) -> (Live, Arc<Ring<Change>>) {
+        let sender = Ring::new(16);
+        let feed = sender.subscribe();
         let live = Live {
             feed,
             delivered,
@@ -882,24 +890,14 @@ mod tests {
             ]
         );
         // Live: an already-replayed version is skipped, a new one is sent.
-        sender
-            .send(Arc::new(change(
-                "c",
-                7,
-                EventType::Modified,
-                &[],
-                Some(&[]),
-            )))
-            .unwrap();
-        sender
-            .send(Arc::new(change(
-                "c",
-                8,
-                EventType::Modified,
-                &[],
-                Some(&[]),
-            )))
-            .unwrap();
+        sender.push(
+            Arc::new(change("c", 7, EventType::Modified, &[], Some(&[]))),
+            1,
+        );
+        sender.push(
+            Arc::new(change("c", 8, EventType::Modified, &[], Some(&[]))),
+            1,
+        );
         assert_eq!(machine.step().await.unwrap(), Step::Events(Vec::new()));
         let Step::Events(events) = machine.step().await.unwrap() else {
             panic!()
@@ -1031,15 +1029,10 @@ mod tests {
         );
         until_live(&mut machine).await.unwrap();
         for rv in 4..30 {
-            sender
-                .send(Arc::new(change(
-                    "x",
-                    rv,
-                    EventType::Modified,
-                    &[],
-                    Some(&[]),
-                )))
-                .unwrap();
+            sender.push(
+                Arc::new(change("x", rv, EventType::Modified, &[], Some(&[]))),
+                1,
+            );
         }
         assert!(matches!(machine.step().await.unwrap(), Step::CutOff(_)));
     }
@@ -1130,19 +1123,16 @@ mod encoding_tests {
 
     #[test]
     fn a_shared_change_is_encoded_once_as_the_object_with_its_version() {
-        let change = Change {
-            resource_version: 42,
-            resource: "policyreports.wgpolicyk8s.io".into(),
-            namespace: "ns".into(),
-            name: "a".into(),
-            event: EventType::Added,
-            labels: Default::default(),
-            prev_labels: None,
-            object: Arc::new(
-                json!({"kind": "PolicyReport", "metadata": {"name": "a", "resourceVersion": "7"}}),
-            ),
-            encoded: Default::default(),
-        };
+        let change = Change::new(
+            42,
+            "policyreports.wgpolicyk8s.io",
+            "ns",
+            "a",
+            EventType::Added,
+            Default::default(),
+            None,
+            &json!({"kind": "PolicyReport", "metadata": {"name": "a", "resourceVersion": "7"}}),
+        );
         let first = change.object_json().clone();
         // The same buffer for the next watcher, not a new serialization.
         assert_eq!(first.as_ptr(), change.object_json().as_ptr());
@@ -1154,10 +1144,36 @@ mod encoding_tests {
         );
         assert!(line.ends_with(b"}\n"));
         let per_watcher: Value =
-            serde_json::from_slice(&event_line("ADDED", &change.object_with_version())).unwrap();
+            serde_json::from_slice(&event_line("ADDED", &change.object())).unwrap();
         assert_eq!(
             parsed, per_watcher,
             "the same event as the per-watcher path"
         );
+    }
+
+    #[test]
+    fn a_representation_is_rendered_once_and_shared() {
+        let change = Change::new(
+            3,
+            "policyreports.wgpolicyk8s.io",
+            "ns",
+            "a",
+            EventType::Added,
+            Default::default(),
+            None,
+            &json!({"kind": "PolicyReport", "metadata": {"name": "a"}}),
+        );
+        let renders = std::sync::atomic::AtomicUsize::new(0);
+        let render = |object: Value| {
+            renders.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Bytes::from(object["metadata"]["resourceVersion"].to_string())
+        };
+        let first = change.rendered("metadata", render);
+        let second = change.rendered("metadata", render);
+        assert_eq!(first, Bytes::from_static(b"\"3\""));
+        assert_eq!(first.as_ptr(), second.as_ptr());
+        assert_eq!(renders.load(std::sync::atomic::Ordering::SeqCst), 1);
+        change.rendered("table", render);
+        assert_eq!(renders.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 }

@@ -1,21 +1,25 @@
 //! The change feed: one task per process reads new change-log entries in resourceVersion order
-//! and fans them out to watchers over a broadcast channel.
+//! and fans them out to watchers through a buffer of recent changes bounded by bytes
+//! ([`super::ring`]).
 //!
 //! The database is the only source of truth. Local writes wake the feed directly; on PostgreSQL
 //! writes from other processes wake it through `LISTEN reports_server_changes`; a poll interval
-//! covers everything else (and lost notifications). A watcher that falls behind the broadcast
-//! buffer is cut off (its stream ends and the client resumes from its last resourceVersion):
+//! covers everything else (and lost notifications). A watcher that falls behind the buffer
+//! (`--watch-buffer-bytes`) is cut off (its stream ends and the client resumes from its last resourceVersion):
 //! a slow watcher never slows writers or other watchers.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait, Order, Query};
 use sea_orm::{ConnectionTrait, DbBackend};
 use serde_json::Value;
-use tokio::sync::{Notify, broadcast};
+use tokio::sync::Notify;
 
 use super::columns::labels_of;
+use super::ring::{Cursor, Occupancy, Ring};
 use super::schema::{Changes, Objects};
 use super::write::{BODY_IN_OBJECTS, object_row_of_change};
 use super::{Store, StoreError, parse_document};
@@ -46,8 +50,8 @@ impl EventType {
     }
 }
 
-/// One change-log entry.
-#[derive(Clone, Debug)]
+/// One change-log entry, as the feed buffers it and watchers send it.
+#[derive(Debug)]
 pub struct Change {
     pub resource_version: i64,
     /// `<plural>.<group>`.
@@ -58,9 +62,13 @@ pub struct Change {
     pub labels: std::collections::BTreeMap<String, String>,
     /// Labels before this change (`None` for creations).
     pub prev_labels: Option<std::collections::BTreeMap<String, String>>,
-    pub object: Arc<Value>,
-    /// [`Change::object_json`], made by the first watcher that sends it.
-    pub encoded: std::sync::OnceLock<bytes::Bytes>,
+    /// The object with this change's resourceVersion, as JSON: serialized once and shared by
+    /// every watcher that receives the whole object. The feed buffers these bytes, not a parsed
+    /// object (a parsed 9 KB report takes several times its JSON in memory).
+    json: bytes::Bytes,
+    /// Other representations (Table rows, metadata only), each rendered by the first watcher
+    /// that asks for it, under a key that names the representation.
+    renderings: std::sync::Mutex<Vec<(String, bytes::Bytes)>>,
 }
 
 impl PartialEq for Change {
@@ -72,11 +80,58 @@ impl PartialEq for Change {
             && self.event == other.event
             && self.labels == other.labels
             && self.prev_labels == other.prev_labels
-            && self.object == other.object
+            && self.json == other.json
     }
 }
 
+impl Clone for Change {
+    /// A copy sharing the JSON bytes; renderings are made again on demand.
+    fn clone(&self) -> Self {
+        Change {
+            resource_version: self.resource_version,
+            resource: self.resource.clone(),
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            event: self.event,
+            labels: self.labels.clone(),
+            prev_labels: self.prev_labels.clone(),
+            json: self.json.clone(),
+            renderings: Default::default(),
+        }
+    }
+}
+
+/// Bytes a buffered change holds besides its JSON (names, labels, bookkeeping), for the
+/// buffer's bound: an estimate, the JSON dominates.
+const CHANGE_OVERHEAD_BYTES: usize = 256;
+
 impl Change {
+    /// An entry from its parts; `object` is the object as written. Serializes it with
+    /// `resource_version` set.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        resource_version: i64,
+        resource: &str,
+        namespace: &str,
+        name: &str,
+        event: EventType,
+        labels: std::collections::BTreeMap<String, String>,
+        prev_labels: Option<std::collections::BTreeMap<String, String>>,
+        object: &Value,
+    ) -> Change {
+        Change {
+            resource_version,
+            resource: resource.to_owned(),
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            event,
+            labels,
+            prev_labels,
+            json: json_with_version(object, resource_version),
+            renderings: Default::default(),
+        }
+    }
+
     /// The entry of a write this process has just committed, built from what it wrote (the
     /// same fields `write::change_insert` stores). `previous` is the object before the write,
     /// `None` for a creation.
@@ -89,40 +144,92 @@ impl Change {
         object: &Value,
         previous: Option<&Value>,
     ) -> Change {
-        Change {
+        Change::new(
             resource_version,
-            resource: resource.to_owned(),
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
+            resource,
+            namespace,
+            name,
             event,
-            labels: labels_of(object),
-            prev_labels: previous.map(labels_of),
-            object: Arc::new(object.clone()),
-            encoded: Default::default(),
-        }
+            labels_of(object),
+            previous.map(labels_of),
+            object,
+        )
     }
 
-    /// The object as it is sent: with this change's resourceVersion.
-    pub fn object_with_version(&self) -> Value {
-        let mut object = (*self.object).clone();
-        object["metadata"]["resourceVersion"] = Value::String(self.resource_version.to_string());
-        object
+    /// The object as it is sent, parsed again from [`Change::object_json`].
+    pub fn object(&self) -> Value {
+        serde_json::from_slice(&self.json).expect("the feed's own JSON parses")
     }
 
-    /// [`Change::object_with_version`] as JSON. Every watcher receiving this change as a whole
-    /// object shares these bytes: the change is serialized once, not once per watcher (the
-    /// live feed hands the same `Arc<Change>` to all of them).
+    /// The object with this change's resourceVersion, as JSON.
     pub fn object_json(&self) -> &bytes::Bytes {
-        self.encoded.get_or_init(|| {
-            bytes::Bytes::from(
-                serde_json::to_vec(&self.object_with_version()).expect("objects serialize"),
-            )
-        })
+        &self.json
+    }
+
+    /// The representation named `key` (the same key must always mean the same rendering),
+    /// made by `render` from the object the first time and shared afterwards, so that many
+    /// watchers of one representation cost one rendering per change.
+    pub fn rendered(&self, key: &str, render: impl FnOnce(Value) -> bytes::Bytes) -> bytes::Bytes {
+        if let Some((_, done)) = self
+            .renderings
+            .lock()
+            .expect("renderings lock")
+            .iter()
+            .find(|(k, _)| k == key)
+        {
+            return done.clone();
+        }
+        // Rendered outside the lock; two watchers racing both render and the first one stays.
+        let made = render(self.object());
+        let mut renderings = self.renderings.lock().expect("renderings lock");
+        if let Some((_, done)) = renderings.iter().find(|(k, _)| k == key) {
+            return done.clone();
+        }
+        renderings.push((key.to_owned(), made.clone()));
+        made
+    }
+
+    /// What the feed's buffer counts for this entry.
+    fn buffered_bytes(&self) -> usize {
+        self.json.len() + CHANGE_OVERHEAD_BYTES
     }
 }
 
-/// Capacity of the fan-out buffer; a watcher more than this many events behind is cut off.
-const BROADCAST_CAPACITY: usize = 16_384;
+/// `object` as JSON with `metadata.resourceVersion` = `rv`.
+fn json_with_version(object: &Value, rv: i64) -> bytes::Bytes {
+    let rv = rv.to_string();
+    if object["metadata"]["resourceVersion"].as_str() == Some(rv.as_str()) {
+        return bytes::Bytes::from(serde_json::to_vec(object).expect("objects serialize"));
+    }
+    let mut object = object.clone();
+    object["metadata"]["resourceVersion"] = Value::String(rv);
+    bytes::Bytes::from(serde_json::to_vec(&object).expect("objects serialize"))
+}
+
+/// A stored body as the JSON of the change `rv`: the stored text itself when it already carries
+/// that resourceVersion (every body this server writes does), else re-serialized with it.
+fn stored_json(what: &str, body: String, rv: i64) -> Result<bytes::Bytes, StoreError> {
+    #[derive(serde::Deserialize)]
+    struct Versioned {
+        metadata: VersionedMeta,
+    }
+    #[derive(serde::Deserialize)]
+    struct VersionedMeta {
+        #[serde(rename = "resourceVersion")]
+        resource_version: Option<String>,
+    }
+    // Reads only the one field (the rest is skipped without building values).
+    let carried = serde_json::from_str::<Versioned>(&body)
+        .ok()
+        .and_then(|v| v.metadata.resource_version);
+    if carried.is_some_and(|v| v == rv.to_string()) {
+        return Ok(bytes::Bytes::from(body));
+    }
+    Ok(json_with_version(&parse_document(what, &body)?, rv))
+}
+
+/// Default bound of the change feed's buffer ([`StoreOptions::watch_buffer_bytes`]).
+pub const DEFAULT_WATCH_BUFFER_BYTES: usize = 64 * 1024 * 1024;
 /// Entries read per query while catching up.
 const BATCH: u64 = 1_000;
 
@@ -132,7 +239,10 @@ pub struct ChangeFeed {
 }
 
 struct FeedInner {
-    sender: broadcast::Sender<Arc<Change>>,
+    buffer: Arc<Ring<Change>>,
+    /// What the buffer holds, for `/metrics` (set after every push).
+    buffered_bytes: Gauge,
+    buffered_changes: Gauge,
     wake: Notify,
     /// Highest resourceVersion broadcast so far.
     delivered: AtomicI64,
@@ -143,21 +253,45 @@ struct FeedInner {
 
 impl Default for ChangeFeed {
     fn default() -> Self {
-        Self::new()
+        Self::new(DEFAULT_WATCH_BUFFER_BYTES)
     }
 }
 
+/// A subscriber's view of the feed: the changes after its subscription, in order.
+pub type Subscription = Cursor<Change>;
+
 impl ChangeFeed {
-    pub fn new() -> Self {
-        let (sender, _) = broadcast::channel(BROADCAST_CAPACITY);
+    /// A feed whose buffer of recent changes holds at most `buffer_bytes` of their JSON; a
+    /// watcher further behind is cut off and resumes from the change log.
+    pub fn new(buffer_bytes: usize) -> Self {
         ChangeFeed {
             inner: Arc::new(FeedInner {
-                sender,
+                buffer: Ring::new(buffer_bytes),
+                buffered_bytes: Gauge::default(),
+                buffered_changes: Gauge::default(),
                 wake: Notify::new(),
                 delivered: AtomicI64::new(0),
                 gate: Default::default(),
             }),
         }
+    }
+
+    /// Entries and bytes in the buffer now.
+    pub fn buffered(&self) -> Occupancy {
+        self.inner.buffer.occupancy()
+    }
+
+    pub(super) fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "reports_server_watch_buffer_bytes",
+            "Bytes of recent changes the change feed buffers for live watchers (bounded by --watch-buffer-bytes)",
+            self.inner.buffered_bytes.clone(),
+        );
+        registry.register(
+            "reports_server_watch_buffer_changes",
+            "Changes the change feed buffers for live watchers",
+            self.inner.buffered_changes.clone(),
+        );
     }
 
     /// Asks the feed to look for new entries now.
@@ -168,10 +302,10 @@ impl ChangeFeed {
     /// Subscribes to live changes. Returns the receiver and the highest resourceVersion already
     /// broadcast: everything after it arrives on the receiver, everything up to it must be read
     /// from the change log.
-    pub async fn subscribe(&self) -> (broadcast::Receiver<Arc<Change>>, i64) {
+    pub async fn subscribe(&self) -> (Subscription, i64) {
         let _gate = self.inner.gate.lock().await;
         (
-            self.inner.sender.subscribe(),
+            self.inner.buffer.subscribe(),
             self.inner.delivered.load(Ordering::SeqCst),
         )
     }
@@ -187,12 +321,21 @@ impl ChangeFeed {
             return false;
         }
         for change in changes {
-            self.inner
-                .delivered
-                .store(change.resource_version, Ordering::SeqCst);
-            let _ = self.inner.sender.send(Arc::new(change));
+            self.push(change);
         }
         true
+    }
+
+    /// Buffers one change for the subscribers; called under the gate, in resourceVersion order.
+    fn push(&self, change: Change) {
+        self.inner
+            .delivered
+            .store(change.resource_version, Ordering::SeqCst);
+        let bytes = change.buffered_bytes();
+        self.inner.buffer.push(Arc::new(change), bytes);
+        let held = self.inner.buffer.occupancy();
+        self.inner.buffered_bytes.set(held.bytes as i64);
+        self.inner.buffered_changes.set(held.entries as i64);
     }
 
     /// Highest resourceVersion broadcast so far.
@@ -246,11 +389,7 @@ impl ChangeFeed {
                 if change.resource_version <= self.delivered() {
                     continue;
                 }
-                self.inner
-                    .delivered
-                    .store(change.resource_version, Ordering::SeqCst);
-                // No receivers is fine: nobody is watching.
-                let _ = self.inner.sender.send(Arc::new(change));
+                self.push(change);
             }
             if !full {
                 return Ok(());
@@ -329,8 +468,8 @@ pub async fn read_changes(
                 prev_labels: serde_json::from_str(&prev_labels).map_err(|e| {
                     StoreError::Corrupt(format!("change {rv} previous labels"), e.to_string())
                 })?,
-                object: Arc::new(parse_document(&format!("change {rv}"), &body)?),
-                encoded: Default::default(),
+                json: stored_json(&format!("change {rv}"), body, rv)?,
+                renderings: Default::default(),
             })
         })
         .collect()

@@ -20,6 +20,7 @@ mod group_commit;
 pub mod lease;
 pub mod migration;
 mod read;
+pub mod ring;
 pub mod schema;
 mod write;
 
@@ -165,6 +166,9 @@ pub struct StoreOptions {
     /// Most objects written in one group commit round (one transaction and one commit for
     /// every write queued while the previous round ran); a single larger batch still goes alone.
     pub group_commit_max_writes: usize,
+    /// Bound on the bytes of recent changes the change feed buffers for live watchers; a
+    /// watcher further behind is cut off and resumes from the change log.
+    pub watch_buffer_bytes: usize,
 }
 
 impl StoreOptions {
@@ -179,6 +183,7 @@ impl StoreOptions {
             poll_interval: Duration::from_secs(1),
             compaction_interval: Duration::from_secs(30),
             group_commit_max_writes: 256,
+            watch_buffer_bytes: feed::DEFAULT_WATCH_BUFFER_BYTES,
         }
     }
 }
@@ -227,7 +232,7 @@ impl Store {
         let store = Store {
             backend,
             cluster_id: options.cluster_id.clone().into(),
-            feed: ChangeFeed::new(),
+            feed: ChangeFeed::new(options.watch_buffer_bytes),
             db,
             options: Arc::new(options),
             write_lock: Arc::new(tokio::sync::Mutex::new(())),
@@ -304,6 +309,7 @@ impl Store {
     /// Adds the store's metrics (group commit rounds) to a `/metrics` registry.
     pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         self.commit_queue.register(registry);
+        self.feed.register(registry);
     }
 
     pub fn feed(&self) -> &ChangeFeed {
