@@ -518,6 +518,15 @@ impl ControlPlane {
         &self.pki.sa_key
     }
 
+    /// The process id of a running component (for benchmarks that read its memory and CPU).
+    pub fn pid(&self, component: Component) -> Result<u32> {
+        self.procs
+            .iter()
+            .find(|p| p.component == component)
+            .map(|p| p.child.id())
+            .with_context(|| format!("{component} is not running in this control plane"))
+    }
+
     /// Temporary directory holding PKI, kubeconfigs, logs and etcd data.
     pub fn dir(&self) -> &Path {
         &self.root

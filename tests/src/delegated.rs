@@ -66,6 +66,22 @@ impl Server {
     /// Starts the server with `extra` appended to the `serve` arguments (for example
     /// `--aggregation=false` or `--aggregation-delay 2s`).
     pub async fn start_with(cp: &ControlPlane, dir: &Path, extra: &[&str]) -> Result<Server> {
+        let database_url = match std::env::var("REPORTS_SERVER_E2E_BACKEND").as_deref() {
+            Ok("postgres") => Backend::Postgres.database_url(dir)?,
+            Ok("sqlite") | Err(_) => Backend::Sqlite.database_url(dir)?,
+            Ok(other) => bail!("REPORTS_SERVER_E2E_BACKEND={other}: use sqlite or postgres"),
+        };
+        Self::start_on(cp, dir, &database_url, extra).await
+    }
+
+    /// Starts the server on the database `database_url`, with `extra` appended to the `serve`
+    /// arguments.
+    pub async fn start_on(
+        cp: &ControlPlane,
+        dir: &Path,
+        database_url: &str,
+        extra: &[&str],
+    ) -> Result<Server> {
         let bin = server::binary().context("building reports-server")?;
         fs::create_dir_all(dir)?;
         let cert = cp
@@ -79,11 +95,6 @@ impl Server {
             )
             .await?;
         let port = server::free_port();
-        let database_url = match std::env::var("REPORTS_SERVER_E2E_BACKEND").as_deref() {
-            Ok("postgres") => Backend::Postgres.database_url(dir)?,
-            Ok("sqlite") | Err(_) => Backend::Sqlite.database_url(dir)?,
-            Ok(other) => bail!("REPORTS_SERVER_E2E_BACKEND={other}: use sqlite or postgres"),
-        };
         let path = |p: &Path| p.display().to_string();
         let mut args = vec![
             "serve".to_string(),
@@ -102,7 +113,7 @@ impl Server {
             "--data-dir".into(),
             path(dir),
             "--database-url".into(),
-            database_url,
+            database_url.to_owned(),
         ];
         args.extend(extra.iter().map(|a| a.to_string()));
         let url = format!("https://127.0.0.1:{port}");

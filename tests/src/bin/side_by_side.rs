@@ -1,0 +1,706 @@
+//! `side-by-side`: the same benchmark (`reports-server bench --kubeconfig …`) against each way
+//! of serving policy reports, each on a fresh control plane and a fresh database, through the
+//! same kube-apiserver:
+//!
+//! - `crds`: the report CRDs (crds/upstream) in etcd, served by kube-apiserver itself;
+//! - `peer`: kyverno/reports-server on PostgreSQL behind the aggregation layer (built outside
+//!   this repository by bench/peer/build.sh; `--peer-bin`);
+//! - `postgres`, `sqlite`: this server on each backend behind the aggregation layer;
+//! - `postgres-direct`, `sqlite-direct`: this server in the benchmark's own process, no
+//!   kube-apiserver (what the server itself costs).
+//!
+//! Each run writes `<out>/<target>-<reports>.json` (every figure with its samples) with the
+//! bytes on disk and the processes' peak RSS and CPU added; at the end `<out>/summary.csv` and a
+//! Markdown table with the ratios us/peer and us/CRDs. A benchmark, never part of CI
+//! (docs/benchmarks.md "Side by side").
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use clap::Parser;
+use reports_server_tests::controlplane::{
+    Component, ControlPlane, ControlPlaneOptions, ExternalApiService, spawn_tied_to_test,
+    workspace_root,
+};
+use reports_server_tests::delegated::{self, Server};
+use reports_server_tests::kubectl::Kubectl;
+use reports_server_tests::{kube_client, postgres, server};
+use serde_json::{Value, json};
+
+/// Every target, in the order they run.
+const TARGETS: [&str; 6] = [
+    "crds",
+    "peer",
+    "postgres",
+    "sqlite",
+    "postgres-direct",
+    "sqlite-direct",
+];
+
+#[derive(Parser)]
+#[command(about = "Benchmark the report CRDs, the peer and reports-server side by side")]
+struct Args {
+    /// Targets, comma-separated: crds, peer, postgres, sqlite, postgres-direct, sqlite-direct.
+    #[arg(
+        long,
+        env = "SIDE_BY_SIDE_TARGETS",
+        value_delimiter = ',',
+        default_value = "crds,peer,postgres,sqlite,postgres-direct,sqlite-direct"
+    )]
+    targets: Vec<String>,
+    /// Report counts, comma-separated; every target runs at each.
+    #[arg(
+        long,
+        env = "SIDE_BY_SIDE_SIZES",
+        value_delimiter = ',',
+        default_value = "1000,10000"
+    )]
+    sizes: Vec<u64>,
+    /// Concurrent create/update clients.
+    #[arg(long, env = "SIDE_BY_SIDE_CONCURRENCY", default_value_t = 8)]
+    concurrency: usize,
+    /// Namespaces the reports are spread over.
+    #[arg(long, env = "SIDE_BY_SIDE_NAMESPACES", default_value_t = 30)]
+    namespaces: u64,
+    /// Watcher counts of the latency phase.
+    #[arg(long, env = "SIDE_BY_SIDE_WATCHERS", default_value = "10,100")]
+    watchers: String,
+    /// Runs of each read phase (the figure is their median).
+    #[arg(long, env = "SIDE_BY_SIDE_REPEAT", default_value_t = 3)]
+    repeat: usize,
+    /// The reports-server binary built with `--features bench` (release), used as the server
+    /// and as the benchmark driver.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_BIN",
+        required_unless_present = "summarize_only"
+    )]
+    server_bin: Option<PathBuf>,
+    /// The peer's binary (bench/peer/build.sh prints its path); needed by target peer.
+    #[arg(long, env = "REPORTS_SERVER_PEER_BIN")]
+    peer_bin: Option<PathBuf>,
+    /// Only print the summary of the JSON already in `--out` (no benchmark runs).
+    #[arg(long)]
+    summarize_only: bool,
+    /// Where the JSON of each run and summary.csv go.
+    #[arg(
+        long,
+        env = "SIDE_BY_SIDE_OUT",
+        default_value = "docs/bench/side-by-side"
+    )]
+    out: PathBuf,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.summarize_only {
+        return summarize(&args);
+    }
+    for t in &args.targets {
+        ensure!(
+            TARGETS.contains(&t.as_str()),
+            "unknown target {t:?} (targets: {})",
+            TARGETS.join(", ")
+        );
+    }
+    let server_bin = args.server_bin.as_ref().expect("clap requires it");
+    ensure!(
+        server_bin.exists(),
+        "{} does not exist: build it with `cargo build --release --features bench --bin reports-server`",
+        server_bin.display()
+    );
+    if args.targets.iter().any(|t| t == "peer") {
+        let peer = args.peer_bin.as_ref().context(
+            "target peer needs --peer-bin (or REPORTS_SERVER_PEER_BIN): build it with \
+             `bash bench/peer/build.sh <kyverno/reports-server source>`",
+        )?;
+        ensure!(peer.exists(), "{} does not exist", peer.display());
+    }
+    if args
+        .targets
+        .iter()
+        .any(|t| t.starts_with("postgres") || t == "peer")
+        && std::env::var("DATABASE_URL").is_err()
+    {
+        eprintln!(
+            "[side-by-side] DATABASE_URL is not set: PostgreSQL targets use a throw-away cluster \
+             with fsync=off (the tests' settings); set DATABASE_URL=postgres://… for a durable one"
+        );
+    }
+    // SAFETY: no other thread exists yet; the harness's server::binary() reads this variable.
+    unsafe { std::env::set_var("REPORTS_SERVER_BIN", server_bin) };
+    fs::create_dir_all(&args.out)?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(run_all(&args))
+}
+
+async fn run_all(args: &Args) -> Result<()> {
+    let started = Instant::now();
+    for &size in &args.sizes {
+        for target in &args.targets {
+            let t = Instant::now();
+            eprintln!("[side-by-side] {target} at {size} reports");
+            let json = args.out.join(format!("{target}-{size}.json"));
+            run_one(args, target, size, &json)
+                .await
+                .with_context(|| format!("target {target} at {size} reports"))?;
+            eprintln!(
+                "[side-by-side] {target} at {size} reports done in {:.0?}",
+                t.elapsed()
+            );
+        }
+    }
+    summarize(args)?;
+    eprintln!("[side-by-side] all done in {:.0?}", started.elapsed());
+    Ok(())
+}
+
+/// The driver's command line for `size` reports, writing `json`.
+fn driver(args: &Args, target: &str, size: u64, json: &Path) -> Command {
+    let mut cmd = Command::new(args.server_bin.as_ref().expect("checked in main"));
+    cmd.arg("bench")
+        .args(["--target", target])
+        .args(["--reports", &size.to_string()])
+        .args(["--namespaces", &args.namespaces.to_string()])
+        .args(["--concurrency", &args.concurrency.to_string()])
+        .args(["--repeat", &args.repeat.to_string()])
+        .args(["--watchers", &args.watchers])
+        .args([
+            "--phases",
+            "create,update,list,metadata-list,kubectl-get,watch-latency",
+        ])
+        .arg("--json")
+        .arg(json)
+        .env("REPORTS_SERVER_LOG", "warn");
+    cmd
+}
+
+fn run_driver(mut cmd: Command) -> Result<()> {
+    let status = cmd
+        .stdin(Stdio::null())
+        .status()
+        .context("running the benchmark driver")?;
+    ensure!(status.success(), "the benchmark driver failed ({status})");
+    Ok(())
+}
+
+async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()> {
+    let work = tempfile::Builder::new()
+        .prefix(&format!("side-by-side-{target}-"))
+        .tempdir()?;
+    if let Some(backend) = target.strip_suffix("-direct") {
+        let url = database_url(backend, work.path())?;
+        let disk = disk_of(backend, &url, work.path())?;
+        let mut cmd = driver(args, target, size, json);
+        cmd.args(["--database-url", &url]);
+        run_driver(cmd)?;
+        return add_disk_figure(json, &disk);
+    }
+
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let admin = Kubectl::new(cp.kubeconfig_path());
+    let client = kube_client(cp.kubeconfig_path()).await?;
+    let mut pids = vec![
+        (
+            "kube-apiserver".to_owned(),
+            cp.pid(Component::KubeApiserver)?,
+        ),
+        ("etcd".to_owned(), cp.pid(Component::Etcd)?),
+    ];
+    // Kept alive until the driver is done.
+    let mut ours = None;
+    let mut peer = None;
+    let disk = match target {
+        "crds" => {
+            for file in fs::read_dir(workspace_root().join("crds/upstream"))? {
+                let path = file?.path();
+                if path.extension().is_some_and(|e| e == "yaml") {
+                    admin.run(&["apply", "--server-side", "-f", &path.display().to_string()])?;
+                }
+            }
+            admin.run(&[
+                "wait",
+                "--for=condition=Established",
+                "crd",
+                "--all",
+                "--timeout=120s",
+            ])?;
+            Disk::Etcd(cp.dir().join("etcd/member/snap/db"))
+        }
+        "peer" => {
+            let url = postgres::fresh_database()?;
+            let disk = disk_of("postgres", &url, work.path())?;
+            let p = Peer::start(
+                &cp,
+                args.peer_bin.as_deref().expect("checked"),
+                &url,
+                work.path(),
+            )
+            .await?;
+            pids.push(("peer".to_owned(), p.pid()));
+            peer = Some(p);
+            disk
+        }
+        backend @ ("postgres" | "sqlite") => {
+            let url = database_url(backend, work.path())?;
+            let disk = disk_of(backend, &url, work.path())?;
+            let s = Server::start_on(&cp, work.path(), &url, &[]).await?;
+            delegated::register_apiservices(&cp, &s, &admin, &client).await?;
+            pids.push((
+                "reports-server".to_owned(),
+                s.pid().context("reports-server is not running")?,
+            ));
+            ours = Some(s);
+            disk
+        }
+        other => bail!("unknown target {other}"),
+    };
+    let mut cmd = driver(args, target, size, json);
+    cmd.arg("--kubeconfig").arg(cp.kubeconfig_path());
+    for (name, pid) in &pids {
+        cmd.args(["--server-pid", &format!("{name}={pid}")]);
+    }
+    run_driver(cmd)?;
+    add_disk_figure(json, &disk)?;
+    if ours.is_some() {
+        delegated::unregister_apiservices(&cp).await?;
+    }
+    drop(ours);
+    drop(peer);
+    cp.stop().await?;
+    Ok(())
+}
+
+fn database_url(backend: &str, dir: &Path) -> Result<String> {
+    match backend {
+        "postgres" => postgres::fresh_database(),
+        "sqlite" => Ok(format!(
+            "sqlite://{}?mode=rwc",
+            dir.join("reports.db").display()
+        )),
+        other => bail!("unknown backend {other}"),
+    }
+}
+
+/// Where a target keeps its data, to measure its size after the run.
+enum Disk {
+    /// etcd's bbolt database file (its write-ahead log segments are preallocated 64 MB files
+    /// whatever they hold, and kube-apiserver compacts history every 5 minutes).
+    Etcd(PathBuf),
+    /// A database and its size when it was empty (PostgreSQL's catalog of an empty database
+    /// takes about 7.6 MB, which is not the target's).
+    Postgres {
+        url: String,
+        empty: u64,
+    },
+    Sqlite(PathBuf),
+}
+
+/// The data of a target on a database made by [`database_url`].
+fn disk_of(backend: &str, url: &str, dir: &Path) -> Result<Disk> {
+    Ok(match backend {
+        "postgres" => Disk::Postgres {
+            url: url.to_owned(),
+            empty: pg_database_size(url)?,
+        },
+        _ => Disk::Sqlite(dir.to_owned()),
+    })
+}
+
+fn pg_database_size(url: &str) -> Result<u64> {
+    let out = Command::new("psql")
+        .args([url, "-tAc", "SELECT pg_database_size(current_database())"])
+        .output()
+        .context("running psql (apt-get install -y postgresql-client)")?;
+    ensure!(
+        out.status.success(),
+        "psql failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?.trim().parse()?)
+}
+
+impl Disk {
+    fn bytes(&self) -> Result<(u64, &'static str)> {
+        match self {
+            Disk::Etcd(db) => Ok((
+                fs::metadata(db)
+                    .with_context(|| format!("reading {}", db.display()))?
+                    .len(),
+                "etcd's database file (member/snap/db)",
+            )),
+            Disk::Sqlite(dir) => Ok((dir_size(dir)?, "SQLite database, WAL and shared memory")),
+            Disk::Postgres { url, empty } => Ok((
+                pg_database_size(url)?.saturating_sub(*empty),
+                "pg_database_size less that of the empty database",
+            )),
+        }
+    }
+}
+
+/// Bytes of the regular files under `dir` (SQLite: the database with its write-ahead log, which
+/// keeps its high-water size after checkpoints).
+fn dir_size(dir: &Path) -> Result<u64> {
+    let mut total = 0;
+    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        if meta.is_dir() {
+            total += dir_size(&entry.path())?;
+        } else if meta.is_file() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            // The server's own files next to its SQLite database (certificates, kubeconfig,
+            // log) are not data.
+            if !name.ends_with(".log") && !name.ends_with(".pem") && name != "kubeconfig" {
+                total += meta.len();
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// Adds the bytes on disk to a run's JSON, as a figure like the driver's.
+fn add_disk_figure(json: &Path, disk: &Disk) -> Result<()> {
+    let (bytes, what) = disk.bytes()?;
+    let mut doc: Value = serde_json::from_slice(&fs::read(json)?)?;
+    let reports = doc["reports"].as_f64().unwrap_or(1.0);
+    let mib = bytes as f64 / (1024.0 * 1024.0);
+    for (key, value, unit) in [
+        ("disk_mib", mib, "MiB"),
+        ("disk_bytes_per_report", bytes as f64 / reports, "bytes"),
+    ] {
+        doc["figures"]
+            .as_array_mut()
+            .context("the driver's JSON has no figures")?
+            .push(json!({
+                "key": key, "unit": unit, "median": value, "min": value, "max": value,
+                "samples": [value], "detail": what,
+            }));
+    }
+    fs::write(json, serde_json::to_vec_pretty(&doc)?)?;
+    eprintln!("[side-by-side] on disk: {mib:.1} MiB ({what})");
+    Ok(())
+}
+
+/// The figures the summary table compares, with whether a larger value is better.
+const COMPARED: [(&str, &str, bool); 14] = [
+    ("create_per_s", "create (reports/s)", true),
+    ("update_per_s", "update (reports/s)", true),
+    ("list_seconds", "paged list, limit=500 (s)", false),
+    (
+        "metadata_list_seconds",
+        "metadata-only paged list (s)",
+        false,
+    ),
+    ("kubectl_get_seconds", "kubectl get polr -A (s)", false),
+    ("watch_p50_ms.10", "watch p50, 10 watchers (ms)", false),
+    ("watch_p99_ms.10", "watch p99, 10 watchers (ms)", false),
+    ("watch_p50_ms.100", "watch p50, 100 watchers (ms)", false),
+    ("watch_p99_ms.100", "watch p99, 100 watchers (ms)", false),
+    (
+        "serving_peak_rss_mib",
+        "peak RSS of the serving process (MiB)",
+        false,
+    ),
+    (
+        "serving_cpu_seconds",
+        "CPU of the serving process, whole run (s)",
+        false,
+    ),
+    (
+        "kube_apiserver_peak_rss_mib",
+        "peak RSS of kube-apiserver (MiB)",
+        false,
+    ),
+    ("disk_mib", "on disk (MiB)", false),
+    ("disk_bytes_per_report", "on disk per report (bytes)", false),
+];
+
+/// The process that serves the reports in each target.
+fn serving_process(target: &str) -> &'static str {
+    match target {
+        "crds" => "kube-apiserver",
+        "peer" => "peer",
+        t if t.ends_with("-direct") => "bench",
+        _ => "reports-server",
+    }
+}
+
+/// Medians by key of one run's JSON, with the summary's derived figures.
+fn medians(target: &str, doc: &Value) -> BTreeMap<String, f64> {
+    let mut m = BTreeMap::new();
+    for f in doc["figures"].as_array().into_iter().flatten() {
+        if let (Some(k), Some(v)) = (f["key"].as_str(), f["median"].as_f64()) {
+            m.insert(k.to_owned(), v);
+        }
+    }
+    let serving = serving_process(target);
+    if let Some(v) = m.get(&format!("peak_rss_mib.{serving}")).copied() {
+        m.insert("serving_peak_rss_mib".into(), v);
+    }
+    if let Some(v) = m.get("peak_rss_mib.kube-apiserver").copied() {
+        m.insert("kube_apiserver_peak_rss_mib".into(), v);
+    }
+    let cpu: f64 = m
+        .iter()
+        .filter(|(k, _)| k.starts_with("cpu_seconds.") && k.ends_with(&format!(".{serving}")))
+        .map(|(_, v)| v)
+        .sum();
+    if cpu > 0.0 {
+        m.insert("serving_cpu_seconds".into(), cpu);
+    }
+    m
+}
+
+/// `summary.csv` (every figure of every run in `out`) and a Markdown table per size with the
+/// ratios "how many times better" of ours against the peer and the CRDs.
+fn summarize(args: &Args) -> Result<()> {
+    let mut csv = String::from("target,reports,key,unit,median,min,max,load_before,load_after\n");
+    let mut runs: BTreeMap<u64, BTreeMap<String, BTreeMap<String, f64>>> = BTreeMap::new();
+    let mut entries: Vec<PathBuf> = fs::read_dir(&args.out)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    entries.sort();
+    for path in entries {
+        let doc: Value = serde_json::from_slice(&fs::read(&path)?)
+            .with_context(|| format!("parsing {}", path.display()))?;
+        let (Some(target), Some(reports)) = (doc["target"].as_str(), doc["reports"].as_u64())
+        else {
+            continue;
+        };
+        for f in doc["figures"].as_array().into_iter().flatten() {
+            csv.push_str(&format!(
+                "{target},{reports},{},{},{},{},{},{},{}\n",
+                f["key"].as_str().unwrap_or(""),
+                f["unit"].as_str().unwrap_or(""),
+                f["median"],
+                f["min"],
+                f["max"],
+                doc["load_average_before"],
+                doc["load_average_after"],
+            ));
+        }
+        runs.entry(reports)
+            .or_default()
+            .insert(target.to_owned(), medians(target, &doc));
+    }
+    fs::write(args.out.join("summary.csv"), csv)?;
+
+    for (reports, targets) in &runs {
+        let names: Vec<&String> = TARGETS
+            .iter()
+            .filter_map(|t| targets.get_key_value(*t).map(|(k, _)| k))
+            .collect();
+        let comparisons: Vec<(&str, &str)> = [
+            ("postgres", "peer"),
+            ("sqlite", "peer"),
+            ("postgres", "crds"),
+            ("sqlite", "crds"),
+        ]
+        .into_iter()
+        .filter(|(a, b)| targets.contains_key(*a) && targets.contains_key(*b))
+        .collect();
+        println!("\n### {reports} reports\n");
+        let mut header = String::from("| figure |");
+        let mut rule = String::from("|---|");
+        for n in &names {
+            header.push_str(&format!(" {n} |"));
+            rule.push_str("---|");
+        }
+        for (a, b) in &comparisons {
+            header.push_str(&format!(" {a} vs {b} |"));
+            rule.push_str("---|");
+        }
+        println!("{header}\n{rule}");
+        for (key, label, higher_is_better) in COMPARED {
+            if !names.iter().any(|n| targets[*n].contains_key(key)) {
+                continue;
+            }
+            let mut line = format!("| {label} |");
+            for n in &names {
+                match targets[*n].get(key) {
+                    Some(v) => line.push_str(&format!(" {} |", short(*v))),
+                    None => line.push_str(" – |"),
+                }
+            }
+            for (a, b) in &comparisons {
+                match (targets[*a].get(key), targets[*b].get(key)) {
+                    (Some(x), Some(y)) if *x > 0.0 && *y > 0.0 => {
+                        let better = if higher_is_better { x / y } else { y / x };
+                        line.push_str(&format!(" {better:.2}× |"));
+                    }
+                    _ => line.push_str(" – |"),
+                }
+            }
+            println!("{line}");
+        }
+    }
+    println!(
+        "\n(ratios: how many times better the first is — faster, smaller or more per second; \
+         below 1 it is worse)"
+    );
+    Ok(())
+}
+
+fn short(v: f64) -> String {
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else if v >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// kyverno/reports-server as a plain process next to the control plane, on PostgreSQL, with
+/// the cluster's admin kubeconfig and a serving certificate from the cluster CA. The harness
+/// registers its APIServices (as for ours: an ExternalName Service to localhost, the CA as
+/// `caBundle`) after it is up, because it deletes existing ones at start-up; with its
+/// `--store*=false` flags it neither rewrites them every 10 s nor copies CRD reports in.
+struct Peer {
+    child: Child,
+}
+
+/// The groups the peer serves, as `(group, version)`.
+const PEER_GROUPS: [(&str, &str); 3] = [
+    ("wgpolicyk8s.io", "v1alpha2"),
+    ("reports.kyverno.io", "v1"),
+    ("openreports.io", "v1alpha1"),
+];
+
+impl Peer {
+    async fn start(cp: &ControlPlane, bin: &Path, database_url: &str, dir: &Path) -> Result<Peer> {
+        let db = url_parts(database_url)?;
+        let port = server::free_port();
+        let probe = ExternalApiService::new(PEER_GROUPS[0].0, PEER_GROUPS[0].1, port);
+        let cert = cp
+            .issue_serving_cert("peer", &[&probe.server_name(), "localhost", "127.0.0.1"])
+            .await?;
+        let kubeconfig = cp.kubeconfig_path().display().to_string();
+        let log_path = dir.join("peer.log");
+        let log = fs::File::create(&log_path)?;
+        let mut cmd = Command::new(bin);
+        cmd.args([
+            format!("--kubeconfig={kubeconfig}"),
+            format!("--authentication-kubeconfig={kubeconfig}"),
+            format!("--authorization-kubeconfig={kubeconfig}"),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={port}"),
+            format!("--tls-cert-file={}", cert.cert_path.display()),
+            format!("--tls-private-key-file={}", cert.key_path.display()),
+            format!("--servicename={}", probe.service_name),
+            format!("--servicens={}", probe.service_namespace),
+            "--clusterrolename=".into(),
+            "--storereports=false".into(),
+            "--storeephemeralreports=false".into(),
+            "--storeopenreports=false".into(),
+        ])
+        .envs([
+            ("DB_HOST", db.host.as_str()),
+            ("DB_PORT", db.port.as_str()),
+            ("DB_DATABASE", db.database.as_str()),
+            ("DB_USER", db.user.as_str()),
+            // An empty password shifts the peer's connection string (it would connect to the
+            // database `postgres`); trust authentication ignores the value.
+            ("DB_PASSWORD", db.password.as_deref().unwrap_or("unused")),
+        ])
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+        let child = spawn_tied_to_test(cmd).context("starting the peer")?;
+        let mut peer = Peer { child };
+        let started = Instant::now();
+        let ready = format!("Serving securely on 127.0.0.1:{port}");
+        loop {
+            if fs::read_to_string(&log_path)?.contains(&ready) {
+                break;
+            }
+            if let Some(status) = peer.child.try_wait()? {
+                bail!("the peer exited with {status}:\n{}", tail(&log_path, 30));
+            }
+            if started.elapsed() > Duration::from_secs(180) {
+                bail!(
+                    "the peer did not serve within 180 s:\n{}",
+                    tail(&log_path, 30)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        for (group, version) in PEER_GROUPS {
+            let mut svc = ExternalApiService::new(group, version, port);
+            svc.ca_bundle_pem = Some(cp.ca_pem().to_owned());
+            cp.register_external_apiservice(&svc).await?;
+            cp.wait_apiservice_available(&svc.name(), Duration::from_secs(120))
+                .await
+                .with_context(|| tail(&log_path, 30))?;
+        }
+        eprintln!(
+            "[side-by-side] peer serving on 127.0.0.1:{port} after {:.1?}",
+            started.elapsed()
+        );
+        Ok(peer)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The parts of a `postgres://user[:password]@host:port/database` URL the peer takes as
+/// `DB_*` variables.
+struct UrlParts {
+    user: String,
+    password: Option<String>,
+    host: String,
+    port: String,
+    database: String,
+}
+
+fn url_parts(url: &str) -> Result<UrlParts> {
+    let rest = url
+        .strip_prefix("postgres://")
+        .or_else(|| url.strip_prefix("postgresql://"))
+        .with_context(|| format!("{url}: the peer needs a postgres:// URL"))?;
+    let (credentials, rest) = rest
+        .split_once('@')
+        .with_context(|| format!("{url}: no user@ part"))?;
+    let (user, password) = match credentials.split_once(':') {
+        Some((u, p)) => (u.to_owned(), Some(p.to_owned())),
+        None => (credentials.to_owned(), None),
+    };
+    let (address, database) = rest
+        .split_once('/')
+        .with_context(|| format!("{url}: no /database part"))?;
+    let database = database.split('?').next().unwrap_or_default().to_owned();
+    let (host, port) = address
+        .rsplit_once(':')
+        .map(|(h, p)| (h.to_owned(), p.to_owned()))
+        .unwrap_or_else(|| (address.to_owned(), "5432".to_owned()));
+    Ok(UrlParts {
+        user,
+        password,
+        host,
+        port,
+        database,
+    })
+}
