@@ -1786,7 +1786,8 @@ impl StalledWatch {
 /// blocks every writer on the slowest watcher.)
 async fn slow_watcher_is_cut_off_without_blocking_writers(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
-    let server = start(backend, dir.path(), &[]).await;
+    // A 2 MiB buffer (the default is 64 MiB) holds about 1,500 of this test's reports.
+    let server = start(backend, dir.path(), &["--watch-buffer-bytes", "2097152"]).await;
     let client = server.client().await.unwrap();
     let api = polr_api(&client, "slow");
     let from = list_rv(&api).await;
@@ -1826,8 +1827,8 @@ async fn slow_watcher_is_cut_off_without_blocking_writers(backend: Backend) {
         })
     };
 
-    // More changes than the server buffers for one watcher (16,384), written in bulk through the
-    // store, while API writes go on: all of them must be acknowledged.
+    // Far more changes than the server buffers (`--watch-buffer-bytes` above), written in bulk
+    // through the store, while API writes go on: all of them must be acknowledged.
     let bulk: Vec<String> = (0..24_000).map(|i| format!("bulk-{i:05}")).collect();
     let store = open_store(&server.database_url).await;
     let api_writes = async {
