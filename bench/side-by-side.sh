@@ -2,7 +2,8 @@
 # The side-by-side benchmark of issue 14 in one command: the report CRDs in etcd, the peer
 # (kyverno/reports-server) on PostgreSQL and reports-server on PostgreSQL and SQLite, each on a
 # fresh control plane and database, driven by `reports-server bench` through kube-apiserver.
-# Not part of CI (it takes about an hour at 10,000 reports). See docs/benchmarks.md.
+# Not part of CI (1,000 and 10,000 reports, all six targets: about 20 minutes on a 2-core
+# machine with warm caches). See docs/benchmarks.md.
 #
 #   bash bench/side-by-side.sh PEER_SOURCE [orchestrator flags...]
 #
