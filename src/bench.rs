@@ -391,8 +391,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let baseline = memory()?;
     let mut server = None;
-    let (client, kubeconfig) = match &args.kubeconfig {
-        Some(path) => (crate::client_from_kubeconfig(path).await?, path.clone()),
+    let (client, kubeconfig, target_kind) = match &args.kubeconfig {
+        Some(path) => (
+            crate::client_from_kubeconfig(path).await?,
+            path.clone(),
+            format!("the API of kubeconfig {}", path.display()),
+        ),
         None => {
             let (s, client) = start_server(
                 dir.path(),
@@ -401,22 +405,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             )
             .await?;
             let kubeconfig = s.kubeconfig.clone();
+            let kind = format!(
+                "in-process server on {:?} ({})",
+                s.store.backend(),
+                if args.database_url.is_some() {
+                    "given URL"
+                } else {
+                    "temporary SQLite file"
+                }
+            );
             server = Some(s);
-            (client, kubeconfig)
+            (client, kubeconfig, kind)
         }
-    };
-    let target_kind = match (&server, &args.kubeconfig) {
-        (Some(s), _) => format!(
-            "in-process server on {:?} ({})",
-            s.store.backend(),
-            if args.database_url.is_some() {
-                "given URL"
-            } else {
-                "temporary SQLite file"
-            }
-        ),
-        (None, Some(path)) => format!("the API of kubeconfig {}", path.display()),
-        (None, None) => unreachable!("a server starts when no kubeconfig is given"),
     };
     println!(
         "target {}: {target_kind}; {} build; phases: {}",
@@ -716,17 +716,35 @@ async fn update(args: &BenchArgs, client: &kube::Client, created: &Created) -> a
 
 /// Lists everything page by page; fails if an object comes back twice. Returns (objects, pages).
 async fn list_all(api: &Api<PolicyReport>, page_size: u32) -> anyhow::Result<(usize, usize)> {
+    walk_pages(page_size, |params| async move { api.list(&params).await }).await
+}
+
+/// [`list_all`] as `PartialObjectMetadataList` pages.
+async fn list_metadata_all(api: &Api<PolicyReport>, page_size: u32) -> anyhow::Result<usize> {
+    Ok(walk_pages(page_size, |params| async move {
+        api.list_metadata(&params).await
+    })
+    .await?
+    .0)
+}
+
+/// Follows `continue` tokens from the first page of `page_size` until the last, checking that
+/// no object comes back twice. Returns (objects, pages).
+async fn walk_pages<T, F, Fut>(page_size: u32, mut fetch: F) -> anyhow::Result<(usize, usize)>
+where
+    T: kube::Resource + Clone,
+    F: FnMut(ListParams) -> Fut,
+    Fut: std::future::Future<Output = kube::Result<kube::core::ObjectList<T>>>,
+{
+    use kube::ResourceExt as _;
     let mut seen = HashSet::new();
     let mut pages = 0;
     let mut params = ListParams::default().limit(page_size);
     loop {
-        let page = api.list(&params).await?;
+        let page = fetch(params.clone()).await?;
         pages += 1;
         for item in &page.items {
-            let key = (
-                item.metadata.namespace.clone().unwrap_or_default(),
-                item.metadata.name.clone().unwrap_or_default(),
-            );
+            let key = (item.namespace().unwrap_or_default(), item.name_any());
             if !seen.insert(key.clone()) {
                 bail!("object {key:?} was listed twice");
             }
@@ -734,28 +752,6 @@ async fn list_all(api: &Api<PolicyReport>, page_size: u32) -> anyhow::Result<(us
         match page.metadata.continue_.filter(|c| !c.is_empty()) {
             Some(c) => params = params.continue_token(&c),
             None => return Ok((seen.len(), pages)),
-        }
-    }
-}
-
-/// The same walk as [`list_all`] as `PartialObjectMetadataList` pages.
-async fn list_metadata_all(api: &Api<PolicyReport>, page_size: u32) -> anyhow::Result<usize> {
-    let mut seen = HashSet::new();
-    let mut params = ListParams::default().limit(page_size);
-    loop {
-        let page = api.list_metadata(&params).await?;
-        for item in &page.items {
-            let key = (
-                item.metadata.namespace.clone().unwrap_or_default(),
-                item.metadata.name.clone().unwrap_or_default(),
-            );
-            if !seen.insert(key.clone()) {
-                bail!("object {key:?} was listed twice in the metadata-only list");
-            }
-        }
-        match page.metadata.continue_.filter(|c| !c.is_empty()) {
-            Some(c) => params = params.continue_token(&c),
-            None => return Ok(seen.len()),
         }
     }
 }

@@ -1121,17 +1121,25 @@ mod tests {
 mod encoding_tests {
     use super::*;
 
-    #[test]
-    fn a_shared_change_is_encoded_once_as_the_object_with_its_version() {
-        let change = Change::new(
-            42,
+    /// The ADDED change of report `ns/a` at `rv`.
+    fn added(rv: i64, object: Value) -> Change {
+        Change::new(
+            rv,
             "policyreports.wgpolicyk8s.io",
             "ns",
             "a",
             EventType::Added,
             Default::default(),
             None,
-            &json!({"kind": "PolicyReport", "metadata": {"name": "a", "resourceVersion": "7"}}),
+            &object,
+        )
+    }
+
+    #[test]
+    fn a_shared_change_is_encoded_once_as_the_object_with_its_version() {
+        let change = added(
+            42,
+            json!({"kind": "PolicyReport", "metadata": {"name": "a", "resourceVersion": "7"}}),
         );
         let first = change.object_json().clone();
         // The same buffer for the next watcher, not a new serialization.
@@ -1153,15 +1161,9 @@ mod encoding_tests {
 
     #[test]
     fn a_representation_is_rendered_once_and_shared() {
-        let change = Change::new(
+        let change = added(
             3,
-            "policyreports.wgpolicyk8s.io",
-            "ns",
-            "a",
-            EventType::Added,
-            Default::default(),
-            None,
-            &json!({"kind": "PolicyReport", "metadata": {"name": "a"}}),
+            json!({"kind": "PolicyReport", "metadata": {"name": "a"}}),
         );
         let renders = std::sync::atomic::AtomicUsize::new(0);
         let render = |object: Value| {

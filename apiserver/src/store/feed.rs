@@ -332,8 +332,7 @@ impl ChangeFeed {
             .delivered
             .store(change.resource_version, Ordering::SeqCst);
         let bytes = change.buffered_bytes();
-        self.inner.buffer.push(Arc::new(change), bytes);
-        let held = self.inner.buffer.occupancy();
+        let held = self.inner.buffer.push(Arc::new(change), bytes);
         self.inner.buffered_bytes.set(held.bytes as i64);
         self.inner.buffered_changes.set(held.entries as i64);
     }

@@ -60,9 +60,9 @@ impl<T> Ring<T> {
     }
 
     /// Appends an entry of `bytes` bytes, drops the oldest ones beyond the bound, and wakes the
-    /// cursors.
-    pub fn push(&self, entry: Arc<T>, bytes: usize) {
-        {
+    /// cursors. Returns what the ring holds afterwards.
+    pub fn push(&self, entry: Arc<T>, bytes: usize) -> Occupancy {
+        let held = {
             let mut state = self.state.lock().expect("ring lock");
             state.entries.push_back((entry, bytes));
             state.bytes += bytes;
@@ -71,8 +71,13 @@ impl<T> Ring<T> {
                 state.bytes -= dropped;
                 state.first += 1;
             }
-        }
+            Occupancy {
+                entries: state.entries.len(),
+                bytes: state.bytes,
+            }
+        };
         self.appended.notify_waiters();
+        held
     }
 
     /// A cursor that reads every entry pushed after this call.
@@ -162,9 +167,8 @@ mod tests {
                 bytes: 90
             }
         );
-        ring.push(Arc::new(10), 500);
         assert_eq!(
-            ring.occupancy(),
+            ring.push(Arc::new(10), 500),
             Occupancy {
                 entries: 1,
                 bytes: 500
