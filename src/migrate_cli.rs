@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use reports_server_apiserver::registry::Registry;
-use reports_server_apiserver::store::Store;
+use reports_server_apiserver::store::{Store, downgrade_schema};
 use reports_server_operator::migration::{
     self, MigrationReport, Progress, ToCrdsOptions, ToDatabaseOptions,
     cluster::Cluster,
@@ -33,6 +33,9 @@ pub struct MigrateArgs {
 enum MigrateCommand {
     /// Bring the database schema to the latest version and exit (what `migrate` alone does).
     Schema(DatabaseArgs),
+    /// Undo the schema migrations applied after `--to`, newest first, so that an older release
+    /// (whose last migration is `--to`) can start on the database. Stop every replica first.
+    SchemaDowngrade(SchemaDowngradeArgs),
     /// Copy the reports in etcd-backed CRDs into the database, keep the copy current, fence the
     /// CRD storage for a few seconds, verify the copy object by object and switch the
     /// APIServices to the server. Run it again after an interruption: it resumes.
@@ -42,6 +45,16 @@ enum MigrateCommand {
     /// back to kube-apiserver, write every report back, verify, lift the fence. The way back
     /// when the operator is gone. Run it again after an interruption: it resumes.
     ToCrds(Box<ToCrdsArgs>),
+}
+
+#[derive(Args)]
+struct SchemaDowngradeArgs {
+    /// The last migration to keep, as `seaql_migrations.version` names it, e.g.
+    /// `m20261124_000004_one_body_copy` (docs/sql-schema.md lists which release ends where).
+    #[arg(long)]
+    to: String,
+    #[command(flatten)]
+    database: DatabaseArgs,
 }
 
 /// The cluster, the Service the APIServices point at, and how fast to go: shared by both
@@ -278,6 +291,7 @@ pub async fn run(args: MigrateArgs) -> anyhow::Result<()> {
     match args.command {
         None => schema(args.database).await,
         Some(MigrateCommand::Schema(db)) => schema(db).await,
+        Some(MigrateCommand::SchemaDowngrade(a)) => schema_downgrade(a).await,
         Some(MigrateCommand::ToDatabase(a)) => to_database(*a).await,
         Some(MigrateCommand::ToCrds(a)) => to_crds(*a).await,
     }
@@ -288,6 +302,22 @@ async fn schema(db: DatabaseArgs) -> anyhow::Result<()> {
         .await
         .context("migration failed")?;
     eprintln!("database is at the latest schema version");
+    Ok(())
+}
+
+async fn schema_downgrade(args: SchemaDowngradeArgs) -> anyhow::Result<()> {
+    let undone = downgrade_schema(&args.database.store_options()?, &args.to)
+        .await
+        .context("schema downgrade failed")?;
+    if undone.is_empty() {
+        eprintln!(
+            "nothing to undo: {} is the newest migration applied",
+            args.to
+        );
+    }
+    for name in undone {
+        eprintln!("undone: {name}");
+    }
     Ok(())
 }
 

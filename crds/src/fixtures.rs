@@ -134,7 +134,7 @@ impl Subject {
         }
     }
 
-    fn reference(&self) -> ObjectReference {
+    pub fn reference(&self) -> ObjectReference {
         ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Pod".into()),

@@ -774,3 +774,146 @@ async fn a_failing_statement_fails_only_its_writer() {
         .unwrap_or_else(|| panic!("no retried-rounds counter in /metrics:\n{text}"));
     eprintln!("{retried}");
 }
+
+/// Every row of `report_results`, as text, in a fixed order.
+async fn report_results(db: &impl sea_orm::ConnectionTrait) -> Vec<String> {
+    use sea_orm::Statement;
+    let rows = db
+        .query_all_raw(Statement::from_string(
+            db.get_database_backend(),
+            "SELECT * FROM report_results ORDER BY namespace, report_name, policy, rule, message",
+        ))
+        .await
+        .unwrap();
+    let text = |r: &sea_orm::QueryResult, c: &str| -> String {
+        r.try_get::<Option<String>>("", c)
+            .unwrap()
+            .unwrap_or_else(|| "∅".into())
+    };
+    rows.iter()
+        .map(|r| {
+            let mut fields: Vec<String> = [
+                "cluster_id",
+                "resource",
+                "namespace",
+                "report_name",
+                "source",
+                "policy",
+                "rule",
+                "result",
+                "severity",
+                "category",
+                "subject_api_version",
+                "subject_kind",
+                "subject_namespace",
+                "subject_name",
+                "subject_uid",
+                "message",
+                "properties",
+            ]
+            .iter()
+            .map(|c| text(r, c))
+            .collect();
+            fields.push(format!(
+                "{:?}",
+                r.try_get::<Option<bool>>("", "scored").unwrap()
+            ));
+            fields.push(format!(
+                "{:?}",
+                r.try_get::<Option<i64>>("", "timestamp").unwrap()
+            ));
+            fields.join("|")
+        })
+        .collect()
+}
+
+/// `m20261125_000005_lean_results` keeps every row of `report_results` as it was, and so does
+/// its downgrade: creates alone and in a round, updates, results about other objects than the
+/// scope, results without a subject, a source or a score.
+#[tokio::test]
+async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
+    use reports_server_apiserver::store::downgrade_schema;
+    use sea_orm::{ConnectionTrait, Database};
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, url) = open(backend, dir.path()).await;
+        put(&store, "ns-a", "r-00000", report("ns-a", 0, &[])).await;
+        let mut odd = report("ns-a", 1, &[]);
+        odd["results"][1]["resources"] = json!([{
+            "apiVersion": "apps/v1", "kind": "Deployment", "namespace": "ns-b",
+            "name": "web", "uid": "deployment-uid"
+        }]);
+        let first = odd["results"][2].as_object_mut().unwrap();
+        first.remove("resources");
+        first.remove("source");
+        first.remove("scored");
+        odd["results"][3]["result"] = json!("fail");
+        odd["results"][3]["message"] = json!("validation error: privileged");
+        put(&store, "ns-a", "r-00001", odd).await;
+        // An update replaces the report's rows.
+        let mut updated = report("ns-a", 0, &[]);
+        updated["results"][0]["result"] = json!("fail");
+        put(&store, "ns-a", "r-00000", updated).await;
+        // Several creates in one round take the staged multi-row path.
+        store
+            .put_all(
+                &POLICY_REPORT,
+                (2..6).map(|n| report("ns-c", n, &[])).collect(),
+            )
+            .await
+            .unwrap();
+        let db = Database::connect(url.as_str()).await.unwrap();
+        let lean = report_results(&db).await;
+        assert_eq!(lean.len(), 6 * 19, "{backend:?}");
+        assert!(
+            lean.iter()
+                .any(|r| r.contains("|apps/v1|Deployment|ns-b|web|deployment-uid|")),
+            "{backend:?}: a result's own subject is kept: {lean:#?}"
+        );
+        let rules = store
+            .query_raw("SELECT COUNT(*) AS n FROM policy_rules")
+            .await
+            .unwrap();
+        let rules: i64 = rules[0].try_get("", "n").unwrap();
+        assert_eq!(rules, 19 + 1, "{backend:?}: one row per distinct rule");
+        drop(store);
+
+        // What `reports-server migrate schema-downgrade --to …` does.
+        let options = StoreOptions::new(url.clone());
+        let undone = downgrade_schema(&options, "m20261124_000004_one_body_copy")
+            .await
+            .unwrap();
+        assert_eq!(undone, ["m20261125_000005_lean_results"], "{backend:?}");
+        assert_eq!(
+            report_results(&db).await,
+            lean,
+            "{backend:?}: after the downgrade"
+        );
+        let wide = db
+            .query_all_raw(sea_orm::Statement::from_string(
+                db.get_database_backend(),
+                "SELECT COUNT(*) AS n FROM results WHERE cluster_id IS NOT NULL",
+            ))
+            .await
+            .unwrap();
+        let wide: i64 = wide[0].try_get("", "n").unwrap();
+        assert_eq!(
+            wide,
+            lean.len() as i64,
+            "{backend:?}: the wide rows are back"
+        );
+        assert!(
+            downgrade_schema(&options, "m20261124_000004_one_body_copy")
+                .await
+                .unwrap()
+                .is_empty(),
+            "{backend:?}: a second downgrade has nothing to undo"
+        );
+        drop(Store::connect(options).await.unwrap());
+        assert_eq!(
+            report_results(&db).await,
+            lean,
+            "{backend:?}: after the upgrade"
+        );
+    }
+}

@@ -88,29 +88,59 @@ impl ObjectColumns {
     }
 }
 
-/// One policy result flattened for the `results` table.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ResultRow {
+/// What a result shares with every other result of the same policy rule: one row of
+/// `policy_rules`, which `results` rows point to instead of repeating it (a report's results
+/// differ mostly in outcome and subject; the rule's names, category and severity recur in
+/// every report).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RuleKey {
     pub source: Option<String>,
     pub policy: String,
     pub rule: Option<String>,
-    pub result: Option<String>,
-    pub severity: Option<String>,
     pub category: Option<String>,
+    pub severity: Option<String>,
     pub scored: Option<bool>,
+}
+
+/// One policy result flattened for the `results` table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResultRow {
+    pub rule: RuleKey,
+    pub result: Option<String>,
+    /// `apiVersion` of what the result is about (its own subject's or the scope's).
     pub subject_api_version: Option<String>,
-    pub subject_kind: Option<String>,
-    pub subject_namespace: Option<String>,
-    pub subject_name: Option<String>,
-    pub subject_uid: Option<String>,
+    /// The result's own subject (its first `resources` entry) when that is not the report's
+    /// scope; `None`: the scope, which the `objects` row already holds.
+    pub subject: Option<ResultSubject>,
     pub timestamp: Option<i64>,
     pub message: Option<String>,
     pub properties: Option<String>,
 }
 
-/// The rows of the analytics table for a report. Results without subjects of their own are
-/// about the report's scope. Intermediate (ephemeral) reports are not indexed: they are
-/// short-lived inputs of the aggregator, not results anyone queries.
+/// The object a result is about, as the `results` table keeps it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResultSubject {
+    pub kind: Option<String>,
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+    pub uid: Option<String>,
+}
+
+impl ResultSubject {
+    fn of(reference: &Value) -> Self {
+        ResultSubject {
+            kind: string(reference.get("kind")),
+            namespace: string(reference.get("namespace")),
+            name: string(reference.get("name")),
+            uid: string(reference.get("uid")),
+        }
+    }
+}
+
+/// The rows of the analytics table for a report, in the order of its `results`. Results
+/// without subjects of their own are about the report's scope. Intermediate (ephemeral)
+/// reports are not indexed: they are short-lived inputs of the aggregator, not results anyone
+/// queries.
 pub fn result_rows(desc: &ResourceDescriptor, object: &Value) -> Vec<ResultRow> {
     if desc.layout == ReportLayout::Spec {
         return Vec::new();
@@ -119,26 +149,26 @@ pub fn result_rows(desc: &ResourceDescriptor, object: &Value) -> Vec<ResultRow> 
         return Vec::new();
     };
     let scope = &object["scope"];
+    let scope_subject = ResultSubject::of(scope);
     results
         .iter()
         .map(|r| {
-            let subject = r["resources"]
-                .as_array()
-                .and_then(|a| a.first())
-                .unwrap_or(scope);
+            let reference = r["resources"].as_array().and_then(|a| a.first());
+            let subject = reference
+                .map(ResultSubject::of)
+                .filter(|own| !scope.is_object() || *own != scope_subject);
             ResultRow {
-                source: string(r.get("source")),
-                policy: r["policy"].as_str().unwrap_or_default().to_owned(),
-                rule: string(r.get("rule")),
+                rule: RuleKey {
+                    source: string(r.get("source")),
+                    policy: r["policy"].as_str().unwrap_or_default().to_owned(),
+                    rule: string(r.get("rule")),
+                    category: string(r.get("category")),
+                    severity: string(r.get("severity")),
+                    scored: r.get("scored").and_then(Value::as_bool),
+                },
                 result: string(r.get("result")),
-                severity: string(r.get("severity")),
-                category: string(r.get("category")),
-                scored: r.get("scored").and_then(Value::as_bool),
-                subject_api_version: string(subject.get("apiVersion")),
-                subject_kind: string(subject.get("kind")),
-                subject_namespace: string(subject.get("namespace")),
-                subject_name: string(subject.get("name")),
-                subject_uid: string(subject.get("uid")),
+                subject_api_version: string(reference.unwrap_or(scope).get("apiVersion")),
+                subject,
                 timestamp: r["timestamp"]["seconds"].as_i64(),
                 message: string(r.get("message")),
                 properties: r.get("properties").map(|p| p.to_string()),
@@ -173,7 +203,29 @@ mod tests {
                 .count(),
             2
         );
-        assert_eq!(rows[0].subject_uid.as_deref(), Some(subject.uid.as_str()));
+        // Each result names the pod the report is scoped to: the row leaves it to the scope.
+        assert!(rows.iter().all(|r| r.subject.is_none()));
+        assert_eq!(rows[0].subject_api_version.as_deref(), Some("v1"));
+        assert_eq!(rows[0].rule.policy, "disallow-capabilities");
+    }
+
+    #[test]
+    fn a_result_about_another_object_keeps_its_subject() {
+        let subject = Subject::pod("ns", 3);
+        let mut report =
+            serde_json::to_value(pss_policy_report(&subject, 1_700_000_000, &[])).unwrap();
+        let other = Subject::pod("other", 4);
+        report["results"][1]["resources"] = serde_json::json!([other.reference()]);
+        report["results"][2]
+            .as_object_mut()
+            .unwrap()
+            .remove("resources");
+        let rows = result_rows(&catalog::POLICY_REPORT, &report);
+        let own = rows[1].subject.as_ref().expect("a subject of its own");
+        assert_eq!(own.uid.as_deref(), Some(other.uid.as_str()));
+        assert_eq!(own.namespace.as_deref(), Some("other"));
+        assert!(rows[0].subject.is_none() && rows[2].subject.is_none());
+        assert_eq!(rows[2].subject_api_version.as_deref(), Some("v1"));
     }
 
     #[test]

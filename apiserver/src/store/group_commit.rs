@@ -34,7 +34,9 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
+use super::columns::RuleKey;
 use super::feed::{Change, EventType};
+use super::rules::{RoundRules, rule_keys};
 use super::schema::Objects;
 use super::write::{
     Applied, Current, Decided, Mutation, NewObjects, Target, WriteOutcome, lock_counter,
@@ -320,7 +322,14 @@ impl Store {
         base_rv: i64,
         accepted: &mut [Accepted],
     ) -> Result<Vec<Vec<WriteOutcome>>, RoundError> {
-        let applied = match self.apply_all(&txn, base_rv, accepted).await {
+        let rules = match self.resolve_rules(&txn, round_rule_keys(accepted)).await {
+            Ok(rules) => rules,
+            Err(e) => {
+                txn.rollback().await.ok();
+                return Err(RoundError::Statement(e));
+            }
+        };
+        let applied = match self.apply_all(&txn, base_rv, accepted, &rules).await {
             Ok(applied) => applied,
             Err(e) => {
                 txn.rollback().await.ok();
@@ -330,6 +339,7 @@ impl Store {
         txn.commit()
             .await
             .map_err(|e| RoundError::Commit(e.into()))?;
+        self.rule_cache().remember(rules);
         let mut committed = Vec::new();
         let outcomes = accepted
             .iter_mut()
@@ -358,6 +368,7 @@ impl Store {
         txn: &DatabaseTransaction,
         base_rv: i64,
         accepted: &mut [Accepted],
+        rules: &RoundRules,
     ) -> Result<Vec<Vec<Applied>>, StoreError> {
         let now = super::write::now_unix();
         let mut rv = base_rv;
@@ -384,7 +395,15 @@ impl Store {
                 {
                     rv += 1;
                     object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                    self.stage_create(&mut staged, &target.key, &target.target(), object, rv, now);
+                    self.stage_create(
+                        &mut staged,
+                        &target.key,
+                        &target.target(),
+                        object,
+                        rv,
+                        now,
+                        rules,
+                    )?;
                     applied.push(Applied {
                         event: Some(EventType::Added),
                         resource_version: rv,
@@ -401,6 +420,7 @@ impl Store {
                         &mut rv,
                         base_rv,
                         now,
+                        rules,
                     )
                     .await?,
                 );
@@ -515,6 +535,19 @@ impl Store {
 
 /// The change-log entry of a committed write, for the feed (see
 /// [`super::feed::ChangeFeed::publish_committed`]).
+/// The rules of the results a round writes (see `store::rules`).
+fn round_rule_keys(accepted: &[Accepted]) -> HashSet<RuleKey> {
+    accepted
+        .iter()
+        .flat_map(|w| w.targets.iter().zip(&w.decided))
+        .filter_map(|(target, decided)| match &decided.mutation {
+            Mutation::Put(object) => Some(rule_keys(target.resource, object)),
+            Mutation::Delete | Mutation::Unchanged => None,
+        })
+        .flatten()
+        .collect()
+}
+
 fn change_of(target: &OwnedTarget, decided: &Decided, applied: &Applied) -> Option<Change> {
     let event = applied.event?;
     let (object, previous) = match (&decided.mutation, event) {

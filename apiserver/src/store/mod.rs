@@ -21,6 +21,7 @@ pub mod lease;
 pub mod migration;
 mod read;
 pub mod ring;
+mod rules;
 pub mod schema;
 mod write;
 
@@ -201,33 +202,15 @@ pub struct Store {
     write_lock: Arc<tokio::sync::Mutex<()>>,
     /// Writers waiting for the next group commit round (see `group_commit`).
     commit_queue: Arc<group_commit::CommitQueue>,
+    /// Ids of the `policy_rules` rows this process has seen committed.
+    rule_cache: Arc<rules::RuleCache>,
     feed: ChangeFeed,
 }
 
 impl Store {
     /// Connects, runs migrations and starts the change feed.
     pub async fn connect(options: StoreOptions) -> Result<Self, StoreError> {
-        check_database_url(&options.database_url)?;
-        let mut connect = ConnectOptions::new(options.database_url.clone());
-        connect
-            .max_connections(options.max_connections)
-            .min_connections(1)
-            .connect_timeout(options.connect_timeout)
-            .acquire_timeout(options.connect_timeout)
-            .sqlx_logging(false);
-        if options.database_url.starts_with("sqlite:") {
-            connect.map_sqlx_sqlite_opts(|o| {
-                o.journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-                    .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
-                    .busy_timeout(Duration::from_secs(30))
-                    .foreign_keys(false)
-            });
-        }
-        let db = match Database::connect(connect).await {
-            Ok(db) => db,
-            Err(e) if is_pool_timeout(&e) => return Err(explain_pool_timeout(&options).await),
-            Err(e) => return Err(e.into()),
-        };
+        let db = open_database(&options).await?;
         let backend = db.get_database_backend();
         let store = Store {
             backend,
@@ -237,6 +220,7 @@ impl Store {
             options: Arc::new(options),
             write_lock: Arc::new(tokio::sync::Mutex::new(())),
             commit_queue: Arc::default(),
+            rule_cache: Arc::default(),
         };
         store.migrate().await?;
         store.ensure_state_row().await?;
@@ -316,6 +300,10 @@ impl Store {
         &self.feed
     }
 
+    fn rule_cache(&self) -> &rules::RuleCache {
+        &self.rule_cache
+    }
+
     pub(crate) fn connection(&self) -> &DatabaseConnection {
         &self.db
     }
@@ -362,7 +350,7 @@ impl Store {
                          FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace \
                          WHERE s.nspname = current_schema() AND c.relkind = 'r' \
                          AND c.relname IN ('objects', 'object_labels', 'changes', 'results', \
-                         'store_state')",
+                         'policy_rules', 'store_state')",
                     ))
                     .await?;
                 row.map(|r| r.try_get("", "n")).transpose()?.unwrap_or(0)
@@ -387,6 +375,72 @@ impl Store {
     pub async fn raise_version_floor(&self, floor: i64) -> Result<(i64, i64), StoreError> {
         write::raise_version_floor(self, floor).await
     }
+}
+
+/// A connection pool to the database `options` name, with the session settings the store
+/// relies on (SQLite: WAL, full sync, a busy timeout); no migration.
+async fn open_database(options: &StoreOptions) -> Result<DatabaseConnection, StoreError> {
+    check_database_url(&options.database_url)?;
+    let mut connect = ConnectOptions::new(options.database_url.clone());
+    connect
+        .max_connections(options.max_connections)
+        .min_connections(1)
+        .connect_timeout(options.connect_timeout)
+        .acquire_timeout(options.connect_timeout)
+        .sqlx_logging(false);
+    if options.database_url.starts_with("sqlite:") {
+        connect.map_sqlx_sqlite_opts(|o| {
+            o.journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
+                .busy_timeout(Duration::from_secs(30))
+                .foreign_keys(false)
+        });
+    }
+    let db = match Database::connect(connect).await {
+        Ok(db) => db,
+        Err(e) if is_pool_timeout(&e) => return Err(explain_pool_timeout(options).await),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(db)
+}
+
+/// Undoes the schema migrations applied after `to` (a migration's name, see
+/// `seaql_migrations`), newest first, so that the release whose last migration is `to` can
+/// start on the database; returns the names undone. Every replica must be stopped first: a
+/// running newer release would write rows the older schema cannot hold.
+pub async fn downgrade_schema(options: &StoreOptions, to: &str) -> Result<Vec<String>, StoreError> {
+    let known: Vec<String> = migration::Migrator::migrations()
+        .iter()
+        .map(|m| m.name().to_owned())
+        .collect();
+    if !known.iter().any(|name| name == to) {
+        return Err(StoreError::Config(format!(
+            "--to {to:?} is not a migration of this release; it knows {}",
+            known.join(", ")
+        )));
+    }
+    let db = open_database(options).await?;
+    let undo = |applied: Vec<sea_orm_migration::Migration>| -> Vec<String> {
+        let names: Vec<String> = applied.iter().map(|m| m.name().to_owned()).collect();
+        let keep = names.iter().position(|n| n == to).map_or(0, |i| i + 1);
+        names[keep..].iter().rev().cloned().collect()
+    };
+    if db.get_database_backend() == DbBackend::Postgres {
+        let txn = sea_orm::TransactionTrait::begin(&db).await?;
+        txn.execute_unprepared("SELECT pg_advisory_xact_lock(7242519)")
+            .await?;
+        let undone = undo(migration::Migrator::get_applied_migrations(&txn).await?);
+        if !undone.is_empty() {
+            migration::Migrator::down(&txn, Some(undone.len() as u32)).await?;
+        }
+        txn.commit().await?;
+        return Ok(undone);
+    }
+    let undone = undo(migration::Migrator::get_applied_migrations(&db).await?);
+    if !undone.is_empty() {
+        migration::Migrator::down(&db, Some(undone.len() as u32)).await?;
+    }
+    Ok(undone)
 }
 
 /// The URL schemes the store has drivers for.

@@ -64,22 +64,21 @@ pub enum StoreState {
     CompactedRv,
 }
 
+/// One row per policy result of a stored report (since `m20261125_000005_lean_results`; the
+/// initial migration's wider table has an identifier of its own there).
 #[derive(DeriveIden)]
 pub enum Results {
     Table,
-    Id,
+    /// The report's `objects.id`: cluster, resource, namespace and name come from there.
     ObjectId,
-    ClusterId,
-    Resource,
-    Namespace,
-    ReportName,
-    Source,
-    Policy,
-    Rule,
+    /// Position in the report's `results`.
+    Ordinal,
+    /// `policy_rules.id`: source, policy, rule, category, severity and scored.
+    RuleId,
     Result,
-    Severity,
-    Category,
-    Scored,
+    /// Whether the result names a subject other than the report's scope; when false the
+    /// subject columns other than `subject_api_version` are NULL and the scope is the subject.
+    OwnSubject,
     SubjectApiVersion,
     SubjectKind,
     SubjectNamespace,
@@ -88,6 +87,19 @@ pub enum Results {
     Timestamp,
     Message,
     Properties,
+}
+
+/// What every result of one policy rule shares, stored once (see `store::rules`).
+#[derive(DeriveIden)]
+pub enum PolicyRules {
+    Table,
+    Id,
+    Source,
+    Policy,
+    Rule,
+    Category,
+    Severity,
+    Scored,
 }
 
 #[derive(DeriveIden)]

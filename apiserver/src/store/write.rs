@@ -22,6 +22,7 @@ use serde_json::Value;
 
 use super::columns::{ObjectColumns, ResultRow, result_rows};
 use super::feed::{EventType, NOTIFY_CHANNEL};
+use super::rules::RoundRules;
 use super::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
 use super::{Store, StoreError, parse_document};
 
@@ -69,7 +70,7 @@ pub(super) fn object_row_of_change() -> Condition {
 }
 
 /// Result rows per INSERT: far below every backend's bind-parameter limit (SQLite 32766,
-/// PostgreSQL 65535) at 20 columns a row.
+/// PostgreSQL 65535) at 13 columns a row.
 const RESULT_ROWS_PER_STATEMENT: usize = 1000;
 
 pub(super) fn now_unix() -> i64 {
@@ -221,6 +222,7 @@ impl Store {
         rv: &mut i64,
         base_rv: i64,
         now: i64,
+        rules: &RoundRules,
     ) -> Result<Applied, StoreError> {
         let Decided {
             mutation,
@@ -253,12 +255,12 @@ impl Store {
                 match current {
                     Some(current) => {
                         self.retire_body(txn, current.rv, &current.body).await?;
-                        self.update_row(txn, current.id, target, object, body, *rv)
+                        self.update_row(txn, current.id, target, object, body, *rv, rules)
                             .await?;
                         txn.execute(&change).await?;
                     }
                     None => {
-                        self.insert_row(txn, key, target, object, body, *rv, change)
+                        self.insert_row(txn, key, target, object, body, *rv, change, rules)
                             .await?;
                     }
                 }
@@ -362,9 +364,11 @@ impl Store {
         body: String,
         rv: i64,
         change: InsertStatement,
+        rules: &RoundRules,
     ) -> Result<(), StoreError> {
         let cols = ObjectColumns::of(t.resource, object);
         let results = result_rows(t.resource, object);
+        let rule_ids = rules.ids_of(&results)?;
         let mut insert = objects_head();
         insert.values_panic(self.object_values(key, t, &cols, body, rv));
         match self.backend() {
@@ -391,7 +395,7 @@ impl Store {
                 let side = self
                     .labels_insert(&id, &cols)
                     .into_iter()
-                    .chain(self.results_inserts(&id, key, t, &results));
+                    .chain(results_inserts(&id, &results, &rule_ids));
                 for (n, statement) in side.enumerate() {
                     with.cte(
                         CommonTableExpression::new()
@@ -408,7 +412,7 @@ impl Store {
             DbBackend::MySql => {
                 let res = txn.execute(&insert).await.map_err(unique_to_exists)?;
                 let id = Expr::val(res.last_insert_id() as i64);
-                self.write_side_rows(txn, &id, key, t, &cols, &results)
+                self.write_side_rows(txn, &id, &cols, &results, &rule_ids)
                     .await?;
             }
             _ => {
@@ -419,7 +423,7 @@ impl Store {
                         StoreError::Inconsistent("INSERT … RETURNING returned no row".into())
                     })?
                     .try_get("", "id")?;
-                self.write_side_rows(txn, &Expr::val(id), key, t, &cols, &results)
+                self.write_side_rows(txn, &Expr::val(id), &cols, &results, &rule_ids)
                     .await?;
             }
         }
@@ -427,6 +431,7 @@ impl Store {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn update_row(
         &self,
         txn: &DatabaseTransaction,
@@ -435,6 +440,7 @@ impl Store {
         object: &Value,
         body: String,
         rv: i64,
+        rules: &RoundRules,
     ) -> Result<(), StoreError> {
         let cols = ObjectColumns::of(t.resource, object);
         txn.execute(
@@ -464,9 +470,9 @@ impl Store {
         )
         .await?;
         self.delete_side_rows(txn, id).await?;
-        let key = Store::resource_key(t.resource);
         let results = result_rows(t.resource, object);
-        self.write_side_rows(txn, &Expr::val(id), &key, t, &cols, &results)
+        let rule_ids = rules.ids_of(&results)?;
+        self.write_side_rows(txn, &Expr::val(id), &cols, &results, &rule_ids)
             .await
     }
 
@@ -503,15 +509,14 @@ impl Store {
         &self,
         txn: &DatabaseTransaction,
         id: &Expr,
-        key: &str,
-        t: &Target<'_>,
         cols: &ObjectColumns,
         results: &[ResultRow],
+        rule_ids: &[i64],
     ) -> Result<(), StoreError> {
         for insert in self
             .labels_insert(id, cols)
             .into_iter()
-            .chain(self.results_inserts(id, key, t, results))
+            .chain(results_inserts(id, results, rule_ids))
         {
             txn.execute(&insert).await?;
         }
@@ -528,25 +533,6 @@ impl Store {
             insert.values_panic([id.clone(), k.clone().into(), v.clone().into()]);
         }
         Some(insert)
-    }
-
-    /// The object's result rows, [`RESULT_ROWS_PER_STATEMENT`] per statement.
-    fn results_inserts(
-        &self,
-        id: &Expr,
-        key: &str,
-        t: &Target<'_>,
-        rows: &[ResultRow],
-    ) -> Vec<InsertStatement> {
-        rows.chunks(RESULT_ROWS_PER_STATEMENT)
-            .map(|chunk| {
-                let mut insert = results_head();
-                for r in chunk {
-                    insert.values_panic(self.result_values(id, key, t, r));
-                }
-                insert
-            })
-            .collect()
     }
 
     /// The values of an `objects` row, in [`objects_head`]'s column order.
@@ -580,32 +566,6 @@ impl Store {
             cols.scope_uid.clone().into(),
             cols.metadata.clone().into(),
             body.into(),
-        ]
-    }
-
-    /// The values of a `results` row, in [`results_head`]'s column order.
-    fn result_values(&self, id: &Expr, key: &str, t: &Target<'_>, r: &ResultRow) -> [Expr; 20] {
-        [
-            id.clone(),
-            self.cluster_id().into(),
-            key.into(),
-            t.namespace.into(),
-            t.name.into(),
-            r.source.clone().into(),
-            r.policy.clone().into(),
-            r.rule.clone().into(),
-            r.result.clone().into(),
-            r.severity.clone().into(),
-            r.category.clone().into(),
-            r.scored.into(),
-            r.subject_api_version.clone().into(),
-            r.subject_kind.clone().into(),
-            r.subject_namespace.clone().into(),
-            r.subject_name.clone().into(),
-            r.subject_uid.clone().into(),
-            r.timestamp.into(),
-            r.message.clone().into(),
-            r.properties.clone().into(),
         ]
     }
 
@@ -677,12 +637,12 @@ pub(super) struct NewObjects {
 
 /// What a new object's side rows need once its id is known.
 struct NewObjectSides {
-    resource: &'static ResourceDescriptor,
     key: String,
     namespace: String,
     name: String,
     labels: std::collections::BTreeMap<String, String>,
     results: Vec<ResultRow>,
+    rule_ids: Vec<i64>,
 }
 
 impl NewObjects {
@@ -697,6 +657,7 @@ const OBJECTS_PER_STATEMENT: usize = 500;
 impl Store {
     /// Stages the creation of `object` (its resourceVersion already set to `rv`) for
     /// [`Store::insert_staged`].
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn stage_create(
         &self,
         staged: &mut NewObjects,
@@ -705,8 +666,11 @@ impl Store {
         object: &Value,
         rv: i64,
         now: i64,
-    ) {
+        rules: &RoundRules,
+    ) -> Result<(), StoreError> {
         let cols = ObjectColumns::of(t.resource, object);
+        let results = result_rows(t.resource, object);
+        let rule_ids = rules.ids_of(&results)?;
         staged.changes.push(self.change_values(
             key,
             t,
@@ -721,13 +685,14 @@ impl Store {
             .rows
             .push(self.object_values(key, t, &cols, object.to_string(), rv));
         staged.sides.push(NewObjectSides {
-            resource: t.resource,
             key: key.to_owned(),
             namespace: t.namespace.to_owned(),
             name: t.name.to_owned(),
             labels: cols.labels,
-            results: result_rows(t.resource, object),
+            results,
+            rule_ids,
         });
+        Ok(())
     }
 
     /// Inserts the staged objects, then their labels, result rows and change-log entries.
@@ -772,17 +737,10 @@ impl Store {
                     ))
                 })?;
             let id = Expr::val(*id);
-            let t = Target {
-                resource: side.resource,
-                namespace: &side.namespace,
-                name: &side.name,
-            };
             for (k, v) in &side.labels {
                 labels.push([id.clone(), k.clone().into(), v.clone().into()]);
             }
-            for r in &side.results {
-                results.push(self.result_values(&id, &side.key, &t, r));
-            }
+            results.extend(result_values(&id, &side.results, &side.rule_ids));
         }
         insert_in_chunks(txn, labels_head, labels).await?;
         insert_in_chunks(txn, results_head, results).await?;
@@ -848,23 +806,16 @@ fn labels_head() -> InsertStatement {
         .to_owned()
 }
 
-/// `INSERT INTO results (…)`; [`Store::result_values`] gives a row.
+/// `INSERT INTO results (…)`; [`result_values`] gives the rows.
 fn results_head() -> InsertStatement {
     Query::insert()
         .into_table(Results::Table)
         .columns([
             Results::ObjectId,
-            Results::ClusterId,
-            Results::Resource,
-            Results::Namespace,
-            Results::ReportName,
-            Results::Source,
-            Results::Policy,
-            Results::Rule,
+            Results::Ordinal,
+            Results::RuleId,
             Results::Result,
-            Results::Severity,
-            Results::Category,
-            Results::Scored,
+            Results::OwnSubject,
             Results::SubjectApiVersion,
             Results::SubjectKind,
             Results::SubjectNamespace,
@@ -875,6 +826,53 @@ fn results_head() -> InsertStatement {
             Results::Properties,
         ])
         .to_owned()
+}
+
+/// The `results` rows of an object (`id`: its id or an expression giving it), in
+/// [`results_head`]'s column order; `rule_ids` holds each row's rule id.
+fn result_values<'a>(
+    id: &'a Expr,
+    rows: &'a [ResultRow],
+    rule_ids: &'a [i64],
+) -> impl Iterator<Item = [Expr; 13]> + 'a {
+    rows.iter()
+        .zip(rule_ids)
+        .enumerate()
+        .map(move |(ordinal, (r, rule_id))| {
+            let subject = r.subject.as_ref();
+            let part = |f: fn(&super::columns::ResultSubject) -> &Option<String>| {
+                Expr::val(subject.and_then(|s| f(s).clone()))
+            };
+            [
+                id.clone(),
+                (ordinal as i32).into(),
+                (*rule_id).into(),
+                r.result.clone().into(),
+                subject.is_some().into(),
+                r.subject_api_version.clone().into(),
+                part(|s| &s.kind),
+                part(|s| &s.namespace),
+                part(|s| &s.name),
+                part(|s| &s.uid),
+                r.timestamp.into(),
+                r.message.clone().into(),
+                r.properties.clone().into(),
+            ]
+        })
+}
+
+/// The object's result rows, [`RESULT_ROWS_PER_STATEMENT`] per statement.
+fn results_inserts(id: &Expr, rows: &[ResultRow], rule_ids: &[i64]) -> Vec<InsertStatement> {
+    let mut values = result_values(id, rows, rule_ids).peekable();
+    let mut inserts = Vec::new();
+    while values.peek().is_some() {
+        let mut insert = results_head();
+        for row in values.by_ref().take(RESULT_ROWS_PER_STATEMENT) {
+            insert.values_panic(row);
+        }
+        inserts.push(insert);
+    }
+    inserts
 }
 
 /// `INSERT INTO changes (…) … ON CONFLICT DO NOTHING`; [`Store::change_values`] gives a row.

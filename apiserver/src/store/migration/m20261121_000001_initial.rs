@@ -7,7 +7,35 @@
 use sea_orm::DbBackend;
 use sea_orm_migration::prelude::*;
 
-use crate::store::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
+use crate::store::schema::{Changes, ObjectLabels, Objects, StoreState};
+
+/// The `results` table as this migration creates it; `m20261125_000005_lean_results` replaces
+/// it with narrower rows.
+#[derive(DeriveIden)]
+pub(super) enum Results {
+    Table,
+    Id,
+    ObjectId,
+    ClusterId,
+    Resource,
+    Namespace,
+    ReportName,
+    Source,
+    Policy,
+    Rule,
+    Result,
+    Severity,
+    Category,
+    Scored,
+    SubjectApiVersion,
+    SubjectKind,
+    SubjectNamespace,
+    SubjectName,
+    SubjectUid,
+    Timestamp,
+    Message,
+    Properties,
+}
 
 pub struct Migration;
 
@@ -204,87 +232,7 @@ impl MigrationTrait for Migration {
             )
             .await?;
 
-        manager
-            .create_table(
-                Table::create()
-                    .table(Results::Table)
-                    .if_not_exists()
-                    .col(
-                        ColumnDef::new(Results::Id)
-                            .big_integer()
-                            .not_null()
-                            .auto_increment()
-                            .primary_key(),
-                    )
-                    .col(ColumnDef::new(Results::ObjectId).big_integer().not_null())
-                    .col(key_string(Results::ClusterId, 64))
-                    .col(key_string(Results::Resource, 100))
-                    .col(key_string(Results::Namespace, 63))
-                    .col(key_string(Results::ReportName, 253))
-                    .col(ColumnDef::new(Results::Source).string_len(253).null())
-                    .col(key_string(Results::Policy, 253))
-                    .col(ColumnDef::new(Results::Rule).string_len(253).null())
-                    .col(ColumnDef::new(Results::Result).string_len(16).null())
-                    .col(ColumnDef::new(Results::Severity).string_len(16).null())
-                    .col(ColumnDef::new(Results::Category).string_len(253).null())
-                    .col(ColumnDef::new(Results::Scored).boolean().null())
-                    .col(
-                        ColumnDef::new(Results::SubjectApiVersion)
-                            .string_len(253)
-                            .null(),
-                    )
-                    .col(ColumnDef::new(Results::SubjectKind).string_len(253).null())
-                    .col(
-                        ColumnDef::new(Results::SubjectNamespace)
-                            .string_len(63)
-                            .null(),
-                    )
-                    .col(ColumnDef::new(Results::SubjectName).string_len(253).null())
-                    .col(ColumnDef::new(Results::SubjectUid).string_len(64).null())
-                    .col(ColumnDef::new(Results::Timestamp).big_integer().null())
-                    .col(ColumnDef::new(Results::Message).text().null())
-                    .col(ColumnDef::new(Results::Properties).text().null())
-                    .to_owned(),
-            )
-            .await?;
-        for (name, cols) in [
-            ("results_object", vec![Results::ObjectId]),
-            (
-                "results_policy",
-                vec![
-                    Results::ClusterId,
-                    Results::Policy,
-                    Results::Result,
-                    Results::Severity,
-                ],
-            ),
-            ("results_subject", vec![Results::SubjectUid]),
-        ] {
-            let mut index = Index::create();
-            index.name(name).table(Results::Table).if_not_exists();
-            for c in cols {
-                index.col(c);
-            }
-            manager.create_index(index.to_owned()).await?;
-        }
-
-        // A stable, documented view for analytics: one row per result with its report's identity.
-        let view = "CREATE VIEW report_results AS \
-            SELECT r.cluster_id, r.resource, r.namespace, r.report_name, r.source, r.policy, r.rule, \
-            r.result, r.severity, r.category, r.scored, r.subject_api_version, r.subject_kind, \
-            r.subject_namespace, r.subject_name, r.subject_uid, r.timestamp, r.message, r.properties \
-            FROM results r";
-        let create_view = match backend {
-            DbBackend::Postgres | DbBackend::MySql => {
-                view.replacen("CREATE VIEW", "CREATE OR REPLACE VIEW", 1)
-            }
-            _ => view.replacen("CREATE VIEW", "CREATE VIEW IF NOT EXISTS", 1),
-        };
-        manager
-            .get_connection()
-            .execute_unprepared(&create_view)
-            .await?;
-        Ok(())
+        create_wide_results(manager).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
@@ -305,4 +253,91 @@ impl MigrationTrait for Migration {
         }
         Ok(())
     }
+}
+
+/// The `results` table, its indexes and the `report_results` view as this migration made
+/// them; also what `m20261125_000005_lean_results` restores on a downgrade.
+pub(super) async fn create_wide_results(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    let backend = manager.get_database_backend();
+    manager
+        .create_table(
+            Table::create()
+                .table(Results::Table)
+                .if_not_exists()
+                .col(
+                    ColumnDef::new(Results::Id)
+                        .big_integer()
+                        .not_null()
+                        .auto_increment()
+                        .primary_key(),
+                )
+                .col(ColumnDef::new(Results::ObjectId).big_integer().not_null())
+                .col(key_string(Results::ClusterId, 64))
+                .col(key_string(Results::Resource, 100))
+                .col(key_string(Results::Namespace, 63))
+                .col(key_string(Results::ReportName, 253))
+                .col(ColumnDef::new(Results::Source).string_len(253).null())
+                .col(key_string(Results::Policy, 253))
+                .col(ColumnDef::new(Results::Rule).string_len(253).null())
+                .col(ColumnDef::new(Results::Result).string_len(16).null())
+                .col(ColumnDef::new(Results::Severity).string_len(16).null())
+                .col(ColumnDef::new(Results::Category).string_len(253).null())
+                .col(ColumnDef::new(Results::Scored).boolean().null())
+                .col(
+                    ColumnDef::new(Results::SubjectApiVersion)
+                        .string_len(253)
+                        .null(),
+                )
+                .col(ColumnDef::new(Results::SubjectKind).string_len(253).null())
+                .col(
+                    ColumnDef::new(Results::SubjectNamespace)
+                        .string_len(63)
+                        .null(),
+                )
+                .col(ColumnDef::new(Results::SubjectName).string_len(253).null())
+                .col(ColumnDef::new(Results::SubjectUid).string_len(64).null())
+                .col(ColumnDef::new(Results::Timestamp).big_integer().null())
+                .col(ColumnDef::new(Results::Message).text().null())
+                .col(ColumnDef::new(Results::Properties).text().null())
+                .to_owned(),
+        )
+        .await?;
+    for (name, cols) in [
+        ("results_object", vec![Results::ObjectId]),
+        (
+            "results_policy",
+            vec![
+                Results::ClusterId,
+                Results::Policy,
+                Results::Result,
+                Results::Severity,
+            ],
+        ),
+        ("results_subject", vec![Results::SubjectUid]),
+    ] {
+        let mut index = Index::create();
+        index.name(name).table(Results::Table).if_not_exists();
+        for c in cols {
+            index.col(c);
+        }
+        manager.create_index(index.to_owned()).await?;
+    }
+
+    // A stable, documented view for analytics: one row per result with its report's identity.
+    let view = "CREATE VIEW report_results AS \
+            SELECT r.cluster_id, r.resource, r.namespace, r.report_name, r.source, r.policy, r.rule, \
+            r.result, r.severity, r.category, r.scored, r.subject_api_version, r.subject_kind, \
+            r.subject_namespace, r.subject_name, r.subject_uid, r.timestamp, r.message, r.properties \
+            FROM results r";
+    let create_view = match backend {
+        DbBackend::Postgres | DbBackend::MySql => {
+            view.replacen("CREATE VIEW", "CREATE OR REPLACE VIEW", 1)
+        }
+        _ => view.replacen("CREATE VIEW", "CREATE VIEW IF NOT EXISTS", 1),
+    };
+    manager
+        .get_connection()
+        .execute_unprepared(&create_view)
+        .await?;
+    Ok(())
 }

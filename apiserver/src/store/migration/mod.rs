@@ -11,6 +11,7 @@ pub(crate) mod m20261121_000001_initial;
 pub(crate) mod m20261122_000002_aggregator_lease;
 pub(crate) mod m20261123_000003_nonzero_resource_version;
 pub(crate) mod m20261124_000004_one_body_copy;
+pub(crate) mod m20261125_000005_lean_results;
 
 pub struct Migrator;
 
@@ -22,6 +23,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261122_000002_aggregator_lease::Migration),
             Box::new(m20261123_000003_nonzero_resource_version::Migration),
             Box::new(m20261124_000004_one_body_copy::Migration),
+            Box::new(m20261125_000005_lean_results::Migration),
         ]
     }
 }
