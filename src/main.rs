@@ -2,6 +2,13 @@
 //!
 //! This binary only parses flags and wires the crates together.
 
+/// mimalloc instead of glibc's allocator: a write allocates and frees many short-lived JSON
+/// values and SQL parameters, and glibc spent a third of the server's CPU on that
+/// (`malloc_consolidate`, `unlink_chunk`, …) and kept the high-water mark of bulk loads
+/// resident (docs/benchmarks.md, "lean results and mimalloc").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod aggregation_cli;
 mod apiservices;
 #[cfg(feature = "bench")]
