@@ -310,10 +310,7 @@ async fn schema_downgrade(args: SchemaDowngradeArgs) -> anyhow::Result<()> {
         .await
         .context("schema downgrade failed")?;
     if undone.is_empty() {
-        eprintln!(
-            "nothing to undo: {} is the newest migration applied",
-            args.to
-        );
+        eprintln!("nothing to undo: the database is at {} or older", args.to);
     }
     for name in undone {
         eprintln!("undone: {name}");

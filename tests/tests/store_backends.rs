@@ -909,6 +909,14 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
                 .is_empty(),
             "{backend:?}: a second downgrade has nothing to undo"
         );
+        assert!(
+            downgrade_schema(&options, "m20261125_000005_lean_results")
+                .await
+                .unwrap()
+                .is_empty(),
+            "{backend:?}: a downgrade to a migration newer than the database undoes nothing"
+        );
+        assert_eq!(report_results(&db).await, lean, "{backend:?}: still there");
         drop(Store::connect(options).await.unwrap());
         assert_eq!(
             report_results(&db).await,

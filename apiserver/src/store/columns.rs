@@ -102,6 +102,20 @@ pub struct RuleKey {
     pub scored: Option<bool>,
 }
 
+impl RuleKey {
+    /// The rule of one entry of a report's `results`.
+    pub fn of(result: &Value) -> Self {
+        RuleKey {
+            source: string(result.get("source")),
+            policy: result["policy"].as_str().unwrap_or_default().to_owned(),
+            rule: string(result.get("rule")),
+            category: string(result.get("category")),
+            severity: string(result.get("severity")),
+            scored: result.get("scored").and_then(Value::as_bool),
+        }
+    }
+}
+
 /// One policy result flattened for the `results` table.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ResultRow {
@@ -137,20 +151,31 @@ impl ResultSubject {
     }
 }
 
-/// The rows of the analytics table for a report, in the order of its `results`. Results
-/// without subjects of their own are about the report's scope. Intermediate (ephemeral)
-/// reports are not indexed: they are short-lived inputs of the aggregator, not results anyone
+/// The entries of a report's `results` that get analytics rows. Intermediate (ephemeral)
+/// reports get none: they are short-lived inputs of the aggregator, not results anyone
 /// queries.
-pub fn result_rows(desc: &ResourceDescriptor, object: &Value) -> Vec<ResultRow> {
-    if desc.layout == ReportLayout::Spec {
-        return Vec::new();
+fn indexed_results<'a>(desc: &ResourceDescriptor, object: &'a Value) -> &'a [Value] {
+    match (desc.layout, object["results"].as_array()) {
+        (ReportLayout::TopLevel, Some(results)) => results,
+        _ => &[],
     }
-    let Some(results) = object["results"].as_array() else {
-        return Vec::new();
-    };
+}
+
+/// The rules of a report's analytics rows, in the order of its `results` (what
+/// [`result_rows`] would give as `rule`, without building the rest of each row).
+pub fn result_rules<'a>(
+    desc: &ResourceDescriptor,
+    object: &'a Value,
+) -> impl Iterator<Item = RuleKey> + 'a {
+    indexed_results(desc, object).iter().map(RuleKey::of)
+}
+
+/// The rows of the analytics table for a report, in the order of its `results`. Results
+/// without subjects of their own are about the report's scope.
+pub fn result_rows(desc: &ResourceDescriptor, object: &Value) -> Vec<ResultRow> {
     let scope = &object["scope"];
     let scope_subject = ResultSubject::of(scope);
-    results
+    indexed_results(desc, object)
         .iter()
         .map(|r| {
             let reference = r["resources"].as_array().and_then(|a| a.first());
@@ -158,14 +183,7 @@ pub fn result_rows(desc: &ResourceDescriptor, object: &Value) -> Vec<ResultRow> 
                 .map(ResultSubject::of)
                 .filter(|own| !scope.is_object() || *own != scope_subject);
             ResultRow {
-                rule: RuleKey {
-                    source: string(r.get("source")),
-                    policy: r["policy"].as_str().unwrap_or_default().to_owned(),
-                    rule: string(r.get("rule")),
-                    category: string(r.get("category")),
-                    severity: string(r.get("severity")),
-                    scored: r.get("scored").and_then(Value::as_bool),
-                },
+                rule: RuleKey::of(r),
                 result: string(r.get("result")),
                 subject_api_version: string(reference.unwrap_or(scope).get("apiVersion")),
                 subject,

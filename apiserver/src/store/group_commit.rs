@@ -34,9 +34,9 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::columns::RuleKey;
+use super::columns::{RuleKey, result_rules};
 use super::feed::{Change, EventType};
-use super::rules::{RoundRules, rule_keys};
+use super::rules::RoundRules;
 use super::schema::Objects;
 use super::write::{
     Applied, Current, Decided, Mutation, NewObjects, Target, WriteOutcome, lock_counter,
@@ -339,7 +339,7 @@ impl Store {
         txn.commit()
             .await
             .map_err(|e| RoundError::Commit(e.into()))?;
-        self.rule_cache().remember(rules);
+        self.rule_cache.remember(rules);
         let mut committed = Vec::new();
         let outcomes = accepted
             .iter_mut()
@@ -533,21 +533,21 @@ impl Store {
     }
 }
 
-/// The change-log entry of a committed write, for the feed (see
-/// [`super::feed::ChangeFeed::publish_committed`]).
 /// The rules of the results a round writes (see `store::rules`).
 fn round_rule_keys(accepted: &[Accepted]) -> HashSet<RuleKey> {
     accepted
         .iter()
         .flat_map(|w| w.targets.iter().zip(&w.decided))
-        .filter_map(|(target, decided)| match &decided.mutation {
-            Mutation::Put(object) => Some(rule_keys(target.resource, object)),
+        .flat_map(|(target, decided)| match &decided.mutation {
+            Mutation::Put(object) => Some(result_rules(target.resource, object)),
             Mutation::Delete | Mutation::Unchanged => None,
         })
         .flatten()
         .collect()
 }
 
+/// The change-log entry of a committed write, for the feed (see
+/// [`super::feed::ChangeFeed::publish_committed`]).
 fn change_of(target: &OwnedTarget, decided: &Decided, applied: &Applied) -> Option<Change> {
     let event = applied.event?;
     let (object, previous) = match (&decided.mutation, event) {

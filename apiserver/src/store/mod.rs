@@ -228,26 +228,10 @@ impl Store {
         Ok(store)
     }
 
-    /// Applies pending migrations. On PostgreSQL an advisory lock keeps concurrent replicas from
-    /// racing; elsewhere the idempotent DDL and the migrations table make a race harmless.
+    /// Applies pending migrations (see [`change_schema`] for how concurrent replicas take
+    /// turns).
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        if self.backend == DbBackend::Postgres {
-            // The lock is per session, so take it on a dedicated transaction-scoped lock instead.
-            let txn = sea_orm::TransactionTrait::begin(&self.db).await?;
-            txn.execute_unprepared("SELECT pg_advisory_xact_lock(7242519)")
-                .await?;
-            let result = migration::Migrator::up(&txn, None).await;
-            match result {
-                Ok(()) => txn.commit().await?,
-                Err(e) => {
-                    txn.rollback().await.ok();
-                    return Err(e.into());
-                }
-            }
-            return Ok(());
-        }
-        migration::Migrator::up(&self.db, None).await?;
-        Ok(())
+        change_schema(&self.db, SchemaChange::Up).await.map(drop)
     }
 
     /// Creates this `cluster_id`'s counter row at [`FIRST_RESOURCE_VERSION`], never 0: client-go
@@ -298,10 +282,6 @@ impl Store {
 
     pub fn feed(&self) -> &ChangeFeed {
         &self.feed
-    }
-
-    fn rule_cache(&self) -> &rules::RuleCache {
-        &self.rule_cache
     }
 
     pub(crate) fn connection(&self) -> &DatabaseConnection {
@@ -406,8 +386,9 @@ async fn open_database(options: &StoreOptions) -> Result<DatabaseConnection, Sto
 
 /// Undoes the schema migrations applied after `to` (a migration's name, see
 /// `seaql_migrations`), newest first, so that the release whose last migration is `to` can
-/// start on the database; returns the names undone. Every replica must be stopped first: a
-/// running newer release would write rows the older schema cannot hold.
+/// start on the database; returns the names undone (none when the database is at `to` or
+/// older). Every replica must be stopped first: a running newer release would write rows the
+/// older schema cannot hold.
 pub async fn downgrade_schema(options: &StoreOptions, to: &str) -> Result<Vec<String>, StoreError> {
     let known: Vec<String> = migration::Migrator::migrations()
         .iter()
@@ -419,26 +400,73 @@ pub async fn downgrade_schema(options: &StoreOptions, to: &str) -> Result<Vec<St
             known.join(", ")
         )));
     }
-    let db = open_database(options).await?;
-    let undo = |applied: Vec<sea_orm_migration::Migration>| -> Vec<String> {
-        let names: Vec<String> = applied.iter().map(|m| m.name().to_owned()).collect();
-        let keep = names.iter().position(|n| n == to).map_or(0, |i| i + 1);
-        names[keep..].iter().rev().cloned().collect()
-    };
+    change_schema(&open_database(options).await?, SchemaChange::DownTo(to)).await
+}
+
+/// What a schema run does.
+enum SchemaChange<'a> {
+    /// Apply every pending migration.
+    Up,
+    /// Undo the applied migrations that come after this one in the release's order.
+    DownTo(&'a str),
+}
+
+/// Runs `change` where migrations run: in one transaction on PostgreSQL, under an advisory
+/// lock, so replicas starting at once take turns; in one transaction on SQLite too, whose DDL
+/// is transactional — statements spread over the pool's connections could meet a schema that
+/// another connection had just changed ("there is already another table …" after a DROP and a
+/// RENAME); on the pool on MySQL, whose DDL commits implicitly (there the idempotent DDL and
+/// the migrations table make a race harmless). Returns the migrations undone.
+async fn change_schema(
+    db: &DatabaseConnection,
+    change: SchemaChange<'_>,
+) -> Result<Vec<String>, StoreError> {
+    if db.get_database_backend() == DbBackend::MySql {
+        return apply_schema_change(db.into(), change).await;
+    }
+    let txn = sea_orm::TransactionTrait::begin(db).await?;
     if db.get_database_backend() == DbBackend::Postgres {
-        let txn = sea_orm::TransactionTrait::begin(&db).await?;
         txn.execute_unprepared("SELECT pg_advisory_xact_lock(7242519)")
             .await?;
-        let undone = undo(migration::Migrator::get_applied_migrations(&txn).await?);
-        if !undone.is_empty() {
-            migration::Migrator::down(&txn, Some(undone.len() as u32)).await?;
-        }
-        txn.commit().await?;
-        return Ok(undone);
     }
-    let undone = undo(migration::Migrator::get_applied_migrations(&db).await?);
+    match apply_schema_change((&txn).into(), change).await {
+        Ok(undone) => {
+            txn.commit().await?;
+            Ok(undone)
+        }
+        Err(e) => {
+            txn.rollback().await.ok();
+            Err(e)
+        }
+    }
+}
+
+async fn apply_schema_change(
+    conn: sea_orm::DatabaseExecutor<'_>,
+    change: SchemaChange<'_>,
+) -> Result<Vec<String>, StoreError> {
+    let to = match change {
+        SchemaChange::Up => {
+            migration::Migrator::up(conn, None).await?;
+            return Ok(Vec::new());
+        }
+        SchemaChange::DownTo(to) => to,
+    };
+    let order: Vec<String> = migration::Migrator::migrations()
+        .iter()
+        .map(|m| m.name().to_owned())
+        .collect();
+    let after =
+        |name: &str| order.iter().position(|n| n == name) > order.iter().position(|n| n == to);
+    let undone: Vec<String> = migration::Migrator::get_applied_migrations(&conn)
+        .await?
+        .iter()
+        .map(|m| m.name().to_owned())
+        .filter(|name| after(name))
+        .rev()
+        .collect();
     if !undone.is_empty() {
-        migration::Migrator::down(&db, Some(undone.len() as u32)).await?;
+        migration::Migrator::down(conn, Some(undone.len() as u32)).await?;
     }
     Ok(undone)
 }

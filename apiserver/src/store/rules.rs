@@ -14,12 +14,10 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
-use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{Expr, ExprTrait, Query};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
-use serde_json::Value;
 
-use super::columns::{ResultRow, RuleKey, result_rows};
+use super::columns::{ResultRow, RuleKey};
 use super::schema::PolicyRules;
 use super::{Store, StoreError};
 
@@ -82,14 +80,6 @@ impl RuleCache {
     }
 }
 
-/// The rule of each result `object` will have rows for.
-pub(super) fn rule_keys(desc: &ResourceDescriptor, object: &Value) -> Vec<RuleKey> {
-    result_rows(desc, object)
-        .into_iter()
-        .map(|r| r.rule)
-        .collect()
-}
-
 impl Store {
     /// The ids of `keys` for a round's result rows, inserting the rules never seen before.
     pub(super) async fn resolve_rules(
@@ -98,22 +88,23 @@ impl Store {
         keys: HashSet<RuleKey>,
     ) -> Result<RoundRules, StoreError> {
         let mut round = RoundRules::default();
-        let mut missing = Vec::new();
+        let mut missing = HashSet::new();
         {
-            let cache = self.rule_cache().0.lock().expect("rule cache lock");
+            let cache = self.rule_cache.0.lock().expect("rule cache lock");
             for key in keys {
                 match cache.get(&key) {
                     Some(id) => {
                         round.ids.insert(key, *id);
                     }
-                    None => missing.push(key),
+                    None => {
+                        missing.insert(key);
+                    }
                 }
             }
         }
         if missing.is_empty() {
             return Ok(round);
         }
-        let wanted: HashSet<RuleKey> = missing.iter().cloned().collect();
         let mut policies: Vec<&str> = missing.iter().map(|k| k.policy.as_str()).collect();
         policies.sort_unstable();
         policies.dedup();
@@ -133,7 +124,7 @@ impl Store {
                     severity: row.try_get("", "severity")?,
                     scored: row.try_get("", "scored")?,
                 };
-                if wanted.contains(&key) && !round.ids.contains_key(&key) {
+                if missing.contains(&key) && !round.ids.contains_key(&key) {
                     let id: i64 = row.try_get("", "id")?;
                     round.ids.insert(key.clone(), id);
                     round.new.push((key, id));

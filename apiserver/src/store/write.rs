@@ -754,12 +754,7 @@ async fn insert_in_chunks<const N: usize>(
     head: fn() -> InsertStatement,
     rows: Vec<[Expr; N]>,
 ) -> Result<(), StoreError> {
-    let mut rows = rows.into_iter().peekable();
-    while rows.peek().is_some() {
-        let mut insert = head();
-        for row in rows.by_ref().take(RESULT_ROWS_PER_STATEMENT) {
-            insert.values_panic(row);
-        }
+    for insert in multi_row_inserts(head, rows) {
         txn.execute(&insert).await?;
     }
     Ok(())
@@ -839,21 +834,26 @@ fn result_values<'a>(
         .zip(rule_ids)
         .enumerate()
         .map(move |(ordinal, (r, rule_id))| {
-            let subject = r.subject.as_ref();
-            let part = |f: fn(&super::columns::ResultSubject) -> &Option<String>| {
-                Expr::val(subject.and_then(|s| f(s).clone()))
+            let (kind, namespace, name, uid) = match &r.subject {
+                Some(s) => (
+                    s.kind.clone(),
+                    s.namespace.clone(),
+                    s.name.clone(),
+                    s.uid.clone(),
+                ),
+                None => (None, None, None, None),
             };
             [
                 id.clone(),
                 (ordinal as i32).into(),
                 (*rule_id).into(),
                 r.result.clone().into(),
-                subject.is_some().into(),
+                r.subject.is_some().into(),
                 r.subject_api_version.clone().into(),
-                part(|s| &s.kind),
-                part(|s| &s.namespace),
-                part(|s| &s.name),
-                part(|s| &s.uid),
+                kind.into(),
+                namespace.into(),
+                name.into(),
+                uid.into(),
                 r.timestamp.into(),
                 r.message.clone().into(),
                 r.properties.clone().into(),
@@ -863,11 +863,19 @@ fn result_values<'a>(
 
 /// The object's result rows, [`RESULT_ROWS_PER_STATEMENT`] per statement.
 fn results_inserts(id: &Expr, rows: &[ResultRow], rule_ids: &[i64]) -> Vec<InsertStatement> {
-    let mut values = result_values(id, rows, rule_ids).peekable();
+    multi_row_inserts(results_head, result_values(id, rows, rule_ids))
+}
+
+/// `rows` as INSERTs made by `head`, [`RESULT_ROWS_PER_STATEMENT`] rows per statement.
+fn multi_row_inserts<const N: usize>(
+    head: fn() -> InsertStatement,
+    rows: impl IntoIterator<Item = [Expr; N]>,
+) -> Vec<InsertStatement> {
+    let mut rows = rows.into_iter().peekable();
     let mut inserts = Vec::new();
-    while values.peek().is_some() {
-        let mut insert = results_head();
-        for row in values.by_ref().take(RESULT_ROWS_PER_STATEMENT) {
+    while rows.peek().is_some() {
+        let mut insert = head();
+        for row in rows.by_ref().take(RESULT_ROWS_PER_STATEMENT) {
             insert.values_panic(row);
         }
         inserts.push(insert);

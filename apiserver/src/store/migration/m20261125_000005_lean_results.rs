@@ -8,8 +8,9 @@
 //! timestamp, message and properties. The `report_results` view keeps its columns and their
 //! meaning, so queries against it are unchanged; it joins the three tables.
 //!
-//! The copy runs in SQL on the database (no rows travel through the process). `down` restores
-//! the wide table from the lean one, for a downgrade (docs/sql-schema.md "Downgrading").
+//! The copy runs in SQL on the database (no rows travel through the process), inside the
+//! transaction every migration run takes (`store::change_schema`). `down` restores the wide
+//! table from the lean one, for a downgrade (docs/sql-schema.md "Downgrading").
 
 use sea_orm::DbBackend;
 use sea_orm_migration::prelude::*;
@@ -128,13 +129,6 @@ async fn execute(manager: &SchemaManager<'_>, sql: &str) -> Result<(), DbErr> {
 
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
-    /// In one transaction on SQLite too: a table dropped on one pooled connection and renamed
-    /// onto on another can meet a stale schema there ("there is already another table …"),
-    /// and a half-done copy must not be left behind.
-    fn use_transaction(&self) -> Option<bool> {
-        Some(true)
-    }
-
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
         let backend = manager.get_database_backend();
         execute(manager, "DROP VIEW IF EXISTS report_results").await?;
