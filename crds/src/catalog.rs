@@ -35,7 +35,7 @@ pub struct ResourceDescriptor {
     /// Where the summary counters sit in the object (`summary` or `spec.summary`).
     pub layout: ReportLayout,
     schema: fn() -> Schema,
-    normalize: fn(Value) -> Result<Value, SchemaError>,
+    normalize: fn(&Value) -> Result<Value, SchemaError>,
 }
 
 /// Where a kind keeps its summary, results and scope.
@@ -78,7 +78,7 @@ impl ResourceDescriptor {
 
     /// Checks an object against the kind's types and returns it in canonical form: fields not in
     /// the schema are pruned, as CRD storage does, and everything else is kept as sent.
-    pub fn normalize(&self, object: Value) -> Result<Value, SchemaError> {
+    pub fn normalize(&self, object: &Value) -> Result<Value, SchemaError> {
         (self.normalize)(object)
     }
 }

@@ -22,7 +22,7 @@ pub struct SchemaError {
 /// Deserializes `object` as `T` and serializes it back: unknown fields are pruned and a field of
 /// the wrong type or an invalid enum value is an error naming the field.
 pub fn normalize_object<T: DeserializeOwned + Serialize>(
-    object: Value,
+    object: &Value,
 ) -> Result<Value, SchemaError> {
     let typed: T = serde_path_to_error::deserialize(object).map_err(|e| {
         let field = e.path().to_string();

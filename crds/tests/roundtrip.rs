@@ -35,7 +35,7 @@ fn peer_fixtures_round_trip_losslessly() {
         "peer/report-4.yaml",
     ] {
         for doc in documents(file) {
-            let normalized = descriptor_for(&doc).normalize(doc.clone()).unwrap();
+            let normalized = descriptor_for(&doc).normalize(&doc).unwrap();
             assert_eq!(normalized, doc, "{file}");
             seen += 1;
         }
@@ -79,7 +79,7 @@ fn every_field_of_every_kind_round_trips() {
                     "summary": summary, "results": [result]});
             }
         }
-        assert_eq!(desc.normalize(object.clone()).unwrap(), object, "{desc:?}");
+        assert_eq!(desc.normalize(&object).unwrap(), object, "{desc:?}");
     }
 }
 
@@ -87,7 +87,7 @@ fn every_field_of_every_kind_round_trips() {
 fn unknown_fields_are_pruned_like_crd_storage() {
     let object = json!({"apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
         "metadata": {"name": "x"}, "bogus": 1, "summary": {"pass": 1, "extra": true}});
-    let normalized = catalog::POLICY_REPORT.normalize(object).unwrap();
+    let normalized = catalog::POLICY_REPORT.normalize(&object).unwrap();
     assert_eq!(
         normalized,
         json!({"apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
@@ -99,17 +99,17 @@ fn unknown_fields_are_pruned_like_crd_storage() {
 fn invalid_values_name_the_field() {
     let object =
         json!({"metadata": {"name": "x"}, "results": [{"policy": "p", "result": "maybe"}]});
-    let err = catalog::POLICY_REPORT.normalize(object).unwrap_err();
+    let err = catalog::POLICY_REPORT.normalize(&object).unwrap_err();
     assert_eq!(err.field, "results[0].result");
     assert!(err.message.contains("maybe"), "{}", err.message);
 
     let err = catalog::POLICY_REPORT
-        .normalize(json!({"summary": {"pass": "many"}}))
+        .normalize(&json!({"summary": {"pass": "many"}}))
         .unwrap_err();
     assert_eq!(err.field, "summary.pass");
 
     let err = catalog::EPHEMERAL_REPORT
-        .normalize(json!({"metadata": {"name": "x"}}))
+        .normalize(&json!({"metadata": {"name": "x"}}))
         .unwrap_err();
     assert!(err.message.contains("spec"), "{err}");
 }
@@ -133,8 +133,5 @@ fn pss_fixture_is_realistic() {
         eph["spec"]["owner"],
         json!({"apiVersion": "", "kind": "", "name": "", "uid": ""})
     );
-    assert_eq!(
-        catalog::EPHEMERAL_REPORT.normalize(eph.clone()).unwrap(),
-        eph
-    );
+    assert_eq!(catalog::EPHEMERAL_REPORT.normalize(&eph).unwrap(), eph);
 }

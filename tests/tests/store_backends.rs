@@ -827,6 +827,23 @@ async fn report_results(db: &impl sea_orm::ConnectionTrait) -> Vec<String> {
         .collect()
 }
 
+/// The compression method of `objects.body` and `changes.body` on PostgreSQL (`pg_attribute`:
+/// `l` LZ4, `p` pglz).
+async fn body_compression(db: &sea_orm::DatabaseConnection) -> Vec<String> {
+    use sea_orm::ConnectionTrait;
+    db.query_all_raw(sea_orm::Statement::from_string(
+        sea_orm::DbBackend::Postgres,
+        "SELECT attcompression::text AS c FROM pg_attribute \
+         WHERE attrelid IN ('objects'::regclass, 'changes'::regclass) AND attname = 'body' \
+         ORDER BY attrelid::regclass::text DESC",
+    ))
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.try_get("", "c").unwrap())
+    .collect()
+}
+
 /// `m20261125_000005_lean_results` keeps every row of `report_results` as it was, and so does
 /// its downgrade: creates alone and in a round, updates, results about other objects than the
 /// scope, results without a subject, a source or a score.
@@ -865,6 +882,10 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
         let db = Database::connect(url.as_str()).await.unwrap();
         let lean = report_results(&db).await;
         assert_eq!(lean.len(), 6 * 19, "{backend:?}");
+        if backend == Backend::Postgres {
+            // `m20261125_000006_lz4_bodies`: PostgreSQL 15 from Debian has LZ4.
+            assert_eq!(body_compression(&db).await, ["l", "l"], "new bodies: LZ4");
+        }
         assert!(
             lean.iter()
                 .any(|r| r.contains("|apps/v1|Deployment|ns-b|web|deployment-uid|")),
@@ -883,12 +904,22 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
         let undone = downgrade_schema(&options, "m20261124_000004_one_body_copy")
             .await
             .unwrap();
-        assert_eq!(undone, ["m20261125_000005_lean_results"], "{backend:?}");
+        assert_eq!(
+            undone,
+            [
+                "m20261125_000006_lz4_bodies",
+                "m20261125_000005_lean_results"
+            ],
+            "{backend:?}"
+        );
         assert_eq!(
             report_results(&db).await,
             lean,
             "{backend:?}: after the downgrade"
         );
+        if backend == Backend::Postgres {
+            assert_eq!(body_compression(&db).await, ["p", "p"], "pglz again");
+        }
         let wide = db
             .query_all_raw(sea_orm::Statement::from_string(
                 db.get_database_backend(),

@@ -43,6 +43,11 @@ pub fn encode(code: StatusCode, n: Negotiated, list: bool, body: &Value) -> Resp
             .expect("JSON values serialize as YAML")
             .into_bytes(),
     };
+    encoded(code, n, list, bytes)
+}
+
+/// A response of bytes already in `n`'s encoding.
+fn encoded(code: StatusCode, n: Negotiated, list: bool, bytes: impl IntoResponse) -> Response {
     let mut response = (code, bytes).into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -82,7 +87,28 @@ pub fn object_response(
     include: IncludeObject,
     object: &Value,
 ) -> Response {
-    encode(code, n, false, &render_object(resource, n, include, object))
+    match n.representation {
+        Representation::Object | Representation::Discovery(_) => encode(code, n, false, object),
+        _ => encode(code, n, false, &render_object(resource, n, include, object)),
+    }
+}
+
+/// [`object_response`] of an object whose JSON the caller already has (`json`, when it is
+/// exactly `object` serialized): sent as it is when the client asked for the JSON object.
+pub fn object_response_with_json(
+    code: StatusCode,
+    resource: &'static ResourceDescriptor,
+    n: Negotiated,
+    include: IncludeObject,
+    object: &Value,
+    json: Option<&bytes::Bytes>,
+) -> Response {
+    match (n.representation, n.encoding, json) {
+        (Representation::Object, Encoding::Json, Some(json)) => {
+            encoded(code, n, false, json.clone())
+        }
+        _ => object_response(code, resource, n, include, object),
+    }
 }
 
 /// Adds `Warning: 299 - "…"` headers, as kube-apiserver does for field-validation warnings.

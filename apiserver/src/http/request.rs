@@ -265,6 +265,15 @@ impl Params {
 
 /// Decodes a JSON or YAML request body.
 pub fn decode_body(content_type: Option<&str>, body: &[u8]) -> Result<Value, ApiError> {
+    decode_body_noting_duplicates(content_type, body).map(|(value, _)| value)
+}
+
+/// [`decode_body`], with the paths of the keys a JSON body repeats (for `fieldValidation`;
+/// found in the same pass; YAML bodies report none).
+pub fn decode_body_noting_duplicates(
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Result<(Value, Vec<String>), ApiError> {
     let media = content_type
         .unwrap_or("application/json")
         .split(';')
@@ -273,9 +282,10 @@ pub fn decode_body(content_type: Option<&str>, body: &[u8]) -> Result<Value, Api
         .trim()
         .to_ascii_lowercase();
     match media.as_str() {
-        "application/json" | "" => serde_json::from_slice(body)
+        "application/json" | "" => crate::registry::fields::parse_noting_duplicates(body)
             .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}"))),
         "application/yaml" | "application/x-yaml" | "text/yaml" => serde_yaml::from_slice(body)
+            .map(|value| (value, Vec::new()))
             .map_err(|e| ApiError::bad_request(format!("the request body is not valid YAML: {e}"))),
         other => Err(ApiError::unsupported_media_type(other)),
     }

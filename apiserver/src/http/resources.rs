@@ -10,12 +10,14 @@ use serde_json::Value;
 use super::AppState;
 use super::negotiate::{Negotiated, Representation, Target};
 use super::render::{
-    accept, deleted_list_response, include_object, list_response, object_response, with_warnings,
+    accept, deleted_list_response, include_object, list_response, object_response,
+    object_response_with_json, with_warnings,
 };
-use super::request::{Params, decode_body};
+use super::request::{Params, decode_body, decode_body_noting_duplicates};
 use super::status::ApiError;
 use super::table::IncludeObject;
 use crate::fieldmanager;
+use crate::registry::fields;
 use crate::registry::{
     Cause, DeletePreconditions, FieldValidation, Patch, RegistryError, ResourceRef, Validation,
     WriteOptions, Written,
@@ -65,12 +67,22 @@ fn content_type(headers: &HeaderMap) -> Option<&str> {
         .and_then(|v| v.to_str().ok())
 }
 
-/// `fieldValidation` plus the duplicate keys of a JSON body (a parsed value has lost them).
-fn validation(params: &Params, json_body: Option<&[u8]>) -> Validation {
+/// `fieldValidation` plus the keys the body repeats (a parsed value has lost them).
+fn validation(params: &Params, duplicates: Vec<String>) -> Validation {
     Validation::new(
         FieldValidation::parse(params.field_validation.as_deref()),
-        json_body,
+        duplicates,
     )
+}
+
+/// The keys a JSON body repeats, found by parsing it again (patches: their body is not the
+/// object); other bodies report none.
+fn repeated_keys(json: bool, body: &[u8]) -> Vec<String> {
+    if json {
+        fields::duplicate_fields(body)
+    } else {
+        Vec::new()
+    }
 }
 
 fn is_json(headers: &HeaderMap) -> bool {
@@ -112,16 +124,11 @@ fn field_manager(
     Ok(fieldmanager::manager_from_user_agent(agent))
 }
 
-fn write_options(
-    params: &Params,
-    headers: &HeaderMap,
-    body: &[u8],
-    manager: String,
-) -> WriteOptions {
+fn write_options(params: &Params, manager: String, duplicates: Vec<String>) -> WriteOptions {
     WriteOptions {
         dry_run: params.dry_run,
         manager,
-        validation: validation(params, is_json(headers).then_some(body)),
+        validation: validation(params, duplicates),
     }
 }
 
@@ -133,12 +140,13 @@ fn written_response(
     written: &Written,
 ) -> Response {
     with_warnings(
-        object_response(
+        object_response_with_json(
             code,
             r.resource,
             n,
             IncludeObject::default(),
             &written.object,
+            written.json.as_ref(),
         ),
         &written.warnings,
     )
@@ -153,8 +161,8 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
     let manager = field_manager(params, headers, "CreateOptions", Vec::new(), false)?;
-    let object = decode_body(content_type(headers), &body)?;
-    let options = write_options(params, headers, &body, manager);
+    let (object, duplicates) = decode_body_noting_duplicates(content_type(headers), &body)?;
+    let options = write_options(params, manager, duplicates);
     let written = state.registry.create(r, object, &options).await?;
     Ok(written_response(StatusCode::CREATED, r, n, &written))
 }
@@ -169,8 +177,8 @@ pub async fn update(
 ) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Object)?;
     let manager = field_manager(params, headers, "UpdateOptions", Vec::new(), false)?;
-    let desired = decode_body(content_type(headers), &body)?;
-    let options = write_options(params, headers, &body, manager);
+    let (desired, duplicates) = decode_body_noting_duplicates(content_type(headers), &body)?;
+    let options = write_options(params, manager, duplicates);
     let written = state.registry.update(r, name, desired, &options).await?;
     Ok(written_response(StatusCode::OK, r, n, &written))
 }
@@ -213,7 +221,7 @@ pub async fn patch(
             let options = WriteOptions {
                 dry_run: params.dry_run,
                 manager,
-                validation: validation(params, json.then_some(&body[..])),
+                validation: validation(params, repeated_keys(json, &body)),
             };
             let written = state
                 .registry
@@ -267,7 +275,7 @@ pub async fn patch(
                 .map_err(|e| ApiError::bad_request(format!("the JSON patch is malformed: {e}")))?,
         )
     };
-    let options = write_options(params, headers, &body, manager);
+    let options = write_options(params, manager, repeated_keys(is_json(headers), &body));
     let written = state.registry.patch(r, name, &patch, &options).await?;
     Ok(written_response(StatusCode::OK, r, n, &written))
 }

@@ -36,6 +36,9 @@ pub struct WriteOptions {
 pub struct Written {
     /// `Null` when the write deleted the object (an update removing the last finalizer).
     pub object: Value,
+    /// `object` as JSON when the store serialized it for the write (puts): a JSON response
+    /// sends these bytes instead of serializing the object again.
+    pub json: Option<bytes::Bytes>,
     /// `true` when the write created the object (server-side apply answers 201 then).
     pub created: bool,
     /// Field-validation warnings (`Warning` headers).
@@ -199,6 +202,7 @@ impl Registry {
             })?;
         Ok(Written {
             object: outcome.object.unwrap_or(Value::Null),
+            json: outcome.json,
             created: true,
             warnings,
         })
@@ -325,6 +329,7 @@ impl Registry {
             .await?;
         Ok(Written {
             object: outcome.object.unwrap_or(Value::Null),
+            json: outcome.json,
             created: false,
             warnings,
         })
@@ -392,6 +397,7 @@ impl Registry {
         Ok(Written {
             created: outcome.event == Some(EventType::Added),
             object: outcome.object.unwrap_or(Value::Null),
+            json: outcome.json,
             warnings,
         })
     }

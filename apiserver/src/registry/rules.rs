@@ -59,11 +59,12 @@ pub struct Validation {
 }
 
 impl Validation {
-    pub fn new(mode: FieldValidation, raw_json: Option<&[u8]>) -> Self {
-        let duplicates = match (mode, raw_json) {
-            (FieldValidation::Ignore, _) | (_, None) => Vec::new(),
-            (_, Some(raw)) => super::fields::duplicate_fields(raw),
-        };
+    /// `duplicates`: the paths of the keys the request body repeats (see
+    /// [`super::fields::parse_noting_duplicates`]); ignored with [`FieldValidation::Ignore`].
+    pub fn new(mode: FieldValidation, mut duplicates: Vec<String>) -> Self {
+        if mode == FieldValidation::Ignore {
+            duplicates.clear();
+        }
         Validation { mode, duplicates }
     }
 
@@ -98,13 +99,13 @@ pub fn check_and_normalize(
     object: Value,
     validation: &Validation,
 ) -> Result<(Value, Vec<String>), RegistryError> {
-    let sent = object.clone();
-    let kept = check_and_prune(path, object)?;
+    let (sent, kept) = check_and_prune(path, object)?;
     let warnings = validation.judge(super::fields::unknown_fields(&sent, &kept))?;
     Ok((kept, warnings))
 }
 
-fn check_and_prune(path: &ResourceRef, mut object: Value) -> Result<Value, RegistryError> {
+/// The object as sent (apiVersion, kind and namespace filled in) and as the schema keeps it.
+fn check_and_prune(path: &ResourceRef, mut object: Value) -> Result<(Value, Value), RegistryError> {
     let desc = path.resource;
     let Some(map) = object.as_object_mut() else {
         return Err(RegistryError::bad_request(format!(
@@ -166,8 +167,7 @@ fn check_and_prune(path: &ResourceRef, mut object: Value) -> Result<Value, Regis
             }
         }
     }
-    let name = name_of(&object).to_owned();
-    desc.normalize(object).map_err(|e| {
+    let kept = desc.normalize(&object).map_err(|e| {
         let reason = if e.message.contains("unknown variant") {
             "FieldValueNotSupported"
         } else {
@@ -178,8 +178,13 @@ fn check_and_prune(path: &ResourceRef, mut object: Value) -> Result<Value, Regis
         } else {
             e.field.clone()
         };
-        RegistryError::invalid(desc, &name, vec![Cause::new(field, e.message, reason)])
-    })
+        RegistryError::invalid(
+            desc,
+            name_of(&object),
+            vec![Cause::new(field, e.message, reason)],
+        )
+    })?;
+    Ok((object, kept))
 }
 
 fn validate_name(desc: &'static ResourceDescriptor, name: &str) -> Result<(), RegistryError> {
@@ -576,7 +581,7 @@ pub fn decide_apply(
         &writer(&api_version, manager, &now),
     )
     .map_err(|e| apply_error(desc, name, e))?;
-    let merged = check_and_prune(path, plan.merged().clone())?;
+    let (_, merged) = check_and_prune(path, plan.merged().clone())?;
     match current {
         None => {
             let mut object = merged;

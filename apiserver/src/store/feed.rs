@@ -134,7 +134,9 @@ impl Change {
 
     /// The entry of a write this process has just committed, built from what it wrote (the
     /// same fields `write::change_insert` stores). `previous` is the object before the write,
-    /// `None` for a creation.
+    /// `None` for a creation; `json` is `object` as the write serialized it, with
+    /// `resource_version` (serialized here when the write had no need to).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn committed(
         resource_version: i64,
         resource: &str,
@@ -143,17 +145,19 @@ impl Change {
         event: EventType,
         object: &Value,
         previous: Option<&Value>,
+        json: Option<bytes::Bytes>,
     ) -> Change {
-        Change::new(
+        Change {
             resource_version,
-            resource,
-            namespace,
-            name,
+            resource: resource.to_owned(),
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
             event,
-            labels_of(object),
-            previous.map(labels_of),
-            object,
-        )
+            labels: labels_of(object),
+            prev_labels: previous.map(labels_of),
+            json: json.unwrap_or_else(|| json_with_version(object, resource_version)),
+            renderings: Default::default(),
+        }
     }
 
     /// The object as it is sent, parsed again from [`Change::object_json`].

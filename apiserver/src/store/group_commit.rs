@@ -395,11 +395,12 @@ impl Store {
                 {
                     rv += 1;
                     object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                    self.stage_create(
+                    let json = self.stage_create(
                         &mut staged,
                         &target.key,
                         &target.target(),
                         object,
+                        decided.prepared.take(),
                         rv,
                         now,
                         rules,
@@ -407,6 +408,7 @@ impl Store {
                     applied.push(Applied {
                         event: Some(EventType::Added),
                         resource_version: rv,
+                        json: Some(json),
                     });
                     continue;
                 }
@@ -535,15 +537,25 @@ impl Store {
 
 /// The rules of the results a round writes (see `store::rules`).
 fn round_rule_keys(accepted: &[Accepted]) -> HashSet<RuleKey> {
-    accepted
+    let mut keys = HashSet::new();
+    for (target, decided) in accepted
         .iter()
         .flat_map(|w| w.targets.iter().zip(&w.decided))
-        .flat_map(|(target, decided)| match &decided.mutation {
-            Mutation::Put(object) => Some(result_rules(target.resource, object)),
-            Mutation::Delete | Mutation::Unchanged => None,
-        })
-        .flatten()
-        .collect()
+    {
+        match (&decided.mutation, &decided.prepared) {
+            // Most results share their rule with others of the round: copy each rule once.
+            (Mutation::Put(_), Some(prepared)) => {
+                for row in &prepared.results {
+                    if !keys.contains(&row.rule) {
+                        keys.insert(row.rule.clone());
+                    }
+                }
+            }
+            (Mutation::Put(object), None) => keys.extend(result_rules(target.resource, object)),
+            (Mutation::Delete | Mutation::Unchanged, _) => {}
+        }
+    }
+    keys
 }
 
 /// The change-log entry of a committed write, for the feed (see
@@ -566,6 +578,7 @@ fn change_of(target: &OwnedTarget, decided: &Decided, applied: &Applied) -> Opti
         event,
         object,
         previous,
+        applied.json.clone(),
     ))
 }
 

@@ -19,6 +19,7 @@ pub mod feed;
 mod group_commit;
 pub mod lease;
 pub mod migration;
+mod prepared;
 mod read;
 pub mod ring;
 mod rules;

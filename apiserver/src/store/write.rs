@@ -20,8 +20,9 @@ use sea_orm::sea_query::{
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, TransactionTrait};
 use serde_json::Value;
 
-use super::columns::{ObjectColumns, ResultRow, result_rows};
+use super::columns::{ObjectColumns, ResultRow};
 use super::feed::{EventType, NOTIFY_CHANNEL};
+use super::prepared::{Prepared, RowParts};
 use super::rules::RoundRules;
 use super::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
 use super::{Store, StoreError, parse_document};
@@ -42,6 +43,8 @@ pub enum Mutation {
 pub struct WriteOutcome {
     /// The object as stored (for deletes: its last state).
     pub object: Option<Value>,
+    /// `object` as JSON, when the write serialized it anyway (puts): the response reuses it.
+    pub json: Option<bytes::Bytes>,
     pub event: Option<EventType>,
     pub resource_version: i64,
 }
@@ -168,15 +171,18 @@ impl Store {
                             EventType::Added
                         }),
                         object: Some(object),
+                        json: None,
                         resource_version: rv,
                     },
                     Mutation::Delete => WriteOutcome {
                         object: current,
+                        json: None,
                         event: Some(EventType::Deleted),
                         resource_version: rv,
                     },
                     Mutation::Unchanged => WriteOutcome {
                         object: current,
+                        json: None,
                         event: None,
                         resource_version: rv,
                     },
@@ -202,8 +208,16 @@ impl Store {
                 None => None,
             };
             // An error here drops the ticket: the leader leaves this writer out of the round.
-            let mutation = decide(i, current.clone())?;
-            decided.push(Decided { mutation, current });
+            let mut mutation = decide(i, current.clone())?;
+            let prepared = match &mut mutation {
+                Mutation::Put(object) => Prepared::of(target.resource, object),
+                Mutation::Delete | Mutation::Unchanged => None,
+            };
+            decided.push(Decided {
+                mutation,
+                current,
+                prepared,
+            });
         }
         ticket.decision.send(decided).map_err(|_| leader_gone())?;
         Ok(ticket.done.await.map_err(|_| leader_gone())??)
@@ -227,16 +241,19 @@ impl Store {
         let Decided {
             mutation,
             current: current_object,
+            prepared,
         } = decided;
         Ok(match mutation {
             Mutation::Unchanged => Applied {
                 event: None,
                 resource_version: current_object.as_ref().and_then(current_rv).unwrap_or(0),
+                json: None,
             },
             Mutation::Put(object) => {
                 *rv += 1;
                 object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                let body = object.to_string();
+                let parts = RowParts::of(target.resource, object, *rv, prepared.take());
+                let json = bytes::Bytes::from(parts.body.clone());
                 let event = if current.is_some() {
                     EventType::Modified
                 } else {
@@ -255,18 +272,18 @@ impl Store {
                 match current {
                     Some(current) => {
                         self.retire_body(txn, current.rv, &current.body).await?;
-                        self.update_row(txn, current.id, target, object, body, *rv, rules)
-                            .await?;
+                        self.update_row(txn, current.id, parts, *rv, rules).await?;
                         txn.execute(&change).await?;
                     }
                     None => {
-                        self.insert_row(txn, key, target, object, body, *rv, change, rules)
+                        self.insert_row(txn, key, target, parts, *rv, change, rules)
                             .await?;
                     }
                 }
                 Applied {
                     event: Some(event),
                     resource_version: *rv,
+                    json: Some(json),
                 }
             }
             Mutation::Delete => match (current, current_object.as_mut()) {
@@ -292,11 +309,13 @@ impl Store {
                     Applied {
                         event: Some(EventType::Deleted),
                         resource_version: *rv,
+                        json: None,
                     }
                 }
                 _ => Applied {
                     event: None,
                     resource_version: base_rv,
+                    json: None,
                 },
             },
         })
@@ -360,14 +379,16 @@ impl Store {
         txn: &DatabaseTransaction,
         key: &str,
         t: &Target<'_>,
-        object: &Value,
-        body: String,
+        parts: RowParts,
         rv: i64,
         change: InsertStatement,
         rules: &RoundRules,
     ) -> Result<(), StoreError> {
-        let cols = ObjectColumns::of(t.resource, object);
-        let results = result_rows(t.resource, object);
+        let RowParts {
+            body,
+            columns: cols,
+            results,
+        } = parts;
         let rule_ids = rules.ids_of(&results)?;
         let mut insert = objects_head();
         insert.values_panic(self.object_values(key, t, &cols, body, rv));
@@ -436,13 +457,15 @@ impl Store {
         &self,
         txn: &DatabaseTransaction,
         id: i64,
-        t: &Target<'_>,
-        object: &Value,
-        body: String,
+        parts: RowParts,
         rv: i64,
         rules: &RoundRules,
     ) -> Result<(), StoreError> {
-        let cols = ObjectColumns::of(t.resource, object);
+        let RowParts {
+            body,
+            columns: cols,
+            results,
+        } = parts;
         txn.execute(
             &Query::update()
                 .table(Objects::Table)
@@ -470,7 +493,6 @@ impl Store {
         )
         .await?;
         self.delete_side_rows(txn, id).await?;
-        let results = result_rows(t.resource, object);
         let rule_ids = rules.ids_of(&results)?;
         self.write_side_rows(txn, &Expr::val(id), &cols, &results, &rule_ids)
             .await
@@ -656,7 +678,7 @@ const OBJECTS_PER_STATEMENT: usize = 500;
 
 impl Store {
     /// Stages the creation of `object` (its resourceVersion already set to `rv`) for
-    /// [`Store::insert_staged`].
+    /// [`Store::insert_staged`]; returns the object's JSON as stored.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn stage_create(
         &self,
@@ -664,12 +686,16 @@ impl Store {
         key: &str,
         t: &Target<'_>,
         object: &Value,
+        prepared: Option<Prepared>,
         rv: i64,
         now: i64,
         rules: &RoundRules,
-    ) -> Result<(), StoreError> {
-        let cols = ObjectColumns::of(t.resource, object);
-        let results = result_rows(t.resource, object);
+    ) -> Result<bytes::Bytes, StoreError> {
+        let RowParts {
+            body,
+            columns: cols,
+            results,
+        } = RowParts::of(t.resource, object, rv, prepared);
         let rule_ids = rules.ids_of(&results)?;
         staged.changes.push(self.change_values(
             key,
@@ -681,9 +707,10 @@ impl Store {
             rv,
             now,
         ));
+        let json = bytes::Bytes::from(body.clone());
         staged
             .rows
-            .push(self.object_values(key, t, &cols, object.to_string(), rv));
+            .push(self.object_values(key, t, &cols, body, rv));
         staged.sides.push(NewObjectSides {
             key: key.to_owned(),
             namespace: t.namespace.to_owned(),
@@ -692,7 +719,7 @@ impl Store {
             results,
             rule_ids,
         });
-        Ok(())
+        Ok(json)
     }
 
     /// Inserts the staged objects, then their labels, result rows and change-log entries.
@@ -949,12 +976,18 @@ pub(super) struct Current {
 pub(super) struct Decided {
     pub(super) mutation: Mutation,
     pub(super) current: Option<Value>,
+    /// The put's row but for its version, prepared by the writer (see [`super::prepared`]);
+    /// taken by the round that writes it (a retry computes it again).
+    pub(super) prepared: Option<Prepared>,
 }
 
 /// What a round did with one decision.
 pub(super) struct Applied {
     pub(super) event: Option<EventType>,
     pub(super) resource_version: i64,
+    /// The object as written, as JSON with its resourceVersion (puts only): serialized once
+    /// for the row, then shared by the feed and the writer's response.
+    pub(super) json: Option<bytes::Bytes>,
 }
 
 impl Decided {
@@ -967,6 +1000,7 @@ impl Decided {
         };
         WriteOutcome {
             object,
+            json: applied.json,
             event: applied.event,
             resource_version: applied.resource_version,
         }

@@ -12,6 +12,7 @@ pub(crate) mod m20261122_000002_aggregator_lease;
 pub(crate) mod m20261123_000003_nonzero_resource_version;
 pub(crate) mod m20261124_000004_one_body_copy;
 pub(crate) mod m20261125_000005_lean_results;
+pub(crate) mod m20261125_000006_lz4_bodies;
 
 pub struct Migrator;
 
@@ -24,6 +25,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261123_000003_nonzero_resource_version::Migration),
             Box::new(m20261124_000004_one_body_copy::Migration),
             Box::new(m20261125_000005_lean_results::Migration),
+            Box::new(m20261125_000006_lz4_bodies::Migration),
         ]
     }
 }
