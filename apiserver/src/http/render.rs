@@ -79,23 +79,9 @@ pub fn render_object(
     }
 }
 
-/// [`render_object`], encoded.
+/// [`render_object`], encoded. `json`, when the caller has it, is exactly `object` serialized
+/// (a write's stored JSON): sent as it is when the client asked for the JSON object.
 pub fn object_response(
-    code: StatusCode,
-    resource: &'static ResourceDescriptor,
-    n: Negotiated,
-    include: IncludeObject,
-    object: &Value,
-) -> Response {
-    match n.representation {
-        Representation::Object | Representation::Discovery(_) => encode(code, n, false, object),
-        _ => encode(code, n, false, &render_object(resource, n, include, object)),
-    }
-}
-
-/// [`object_response`] of an object whose JSON the caller already has (`json`, when it is
-/// exactly `object` serialized): sent as it is when the client asked for the JSON object.
-pub fn object_response_with_json(
     code: StatusCode,
     resource: &'static ResourceDescriptor,
     n: Negotiated,
@@ -107,7 +93,10 @@ pub fn object_response_with_json(
         (Representation::Object, Encoding::Json, Some(json)) => {
             encoded(code, n, false, json.clone())
         }
-        _ => object_response(code, resource, n, include, object),
+        (Representation::Object | Representation::Discovery(_), _, _) => {
+            encode(code, n, false, object)
+        }
+        _ => encode(code, n, false, &render_object(resource, n, include, object)),
     }
 }
 

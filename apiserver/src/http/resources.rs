@@ -10,8 +10,7 @@ use serde_json::Value;
 use super::AppState;
 use super::negotiate::{Negotiated, Representation, Target};
 use super::render::{
-    accept, deleted_list_response, include_object, list_response, object_response,
-    object_response_with_json, with_warnings,
+    accept, deleted_list_response, include_object, list_response, object_response, with_warnings,
 };
 use super::request::{Params, decode_body, decode_body_noting_duplicates};
 use super::status::ApiError;
@@ -39,6 +38,7 @@ pub async fn get(
         n,
         include,
         &object,
+        None,
     ))
 }
 
@@ -73,20 +73,6 @@ fn validation(params: &Params, duplicates: Vec<String>) -> Validation {
         FieldValidation::parse(params.field_validation.as_deref()),
         duplicates,
     )
-}
-
-/// The keys a JSON body repeats, found by parsing it again (patches: their body is not the
-/// object); other bodies report none.
-fn repeated_keys(json: bool, body: &[u8]) -> Vec<String> {
-    if json {
-        fields::duplicate_fields(body)
-    } else {
-        Vec::new()
-    }
-}
-
-fn is_json(headers: &HeaderMap) -> bool {
-    content_type(headers).is_none_or(|c| c.split(';').next().unwrap_or("").trim().ends_with("json"))
 }
 
 /// The write's field manager: the `fieldManager` parameter (validated), else derived from the
@@ -140,7 +126,7 @@ fn written_response(
     written: &Written,
 ) -> Response {
     with_warnings(
-        object_response_with_json(
+        object_response(
             code,
             r.resource,
             n,
@@ -217,12 +203,8 @@ pub async fn patch(
     let merge = match media.as_str() {
         "application/apply-patch+yaml" => {
             let manager = field_manager(params, headers, "PatchOptions", Vec::new(), true)?;
-            let (config, json) = decode_apply_body(&body)?;
-            let options = WriteOptions {
-                dry_run: params.dry_run,
-                manager,
-                validation: validation(params, repeated_keys(json, &body)),
-            };
+            let (config, duplicates) = decode_apply_body(&body)?;
+            let options = write_options(params, manager, duplicates);
             let written = state
                 .registry
                 .apply(r, name, config, force.unwrap_or(false), &options)
@@ -262,7 +244,7 @@ pub async fn patch(
         Vec::new()
     };
     let manager = field_manager(params, headers, "PatchOptions", forbidden, false)?;
-    let value: Value = serde_json::from_slice(&body)
+    let (value, duplicates) = fields::parse_noting_duplicates(&body)
         .map_err(|e| ApiError::bad_request(format!("the patch is not valid JSON: {e}")))?;
     let patch = if merge {
         if !value.is_object() {
@@ -275,23 +257,24 @@ pub async fn patch(
                 .map_err(|e| ApiError::bad_request(format!("the JSON patch is malformed: {e}")))?,
         )
     };
-    let options = write_options(params, manager, repeated_keys(is_json(headers), &body));
+    let options = write_options(params, manager, duplicates);
     let written = state.registry.patch(r, name, &patch, &options).await?;
     Ok(written_response(StatusCode::OK, r, n, &written))
 }
 
-/// An `application/apply-patch+yaml` body: YAML, or JSON (which kubectl and client-go send).
-fn decode_apply_body(body: &[u8]) -> Result<(Value, bool), ApiError> {
+/// An `application/apply-patch+yaml` body: YAML, or JSON (which kubectl and client-go send),
+/// with the keys a JSON body repeats (YAML: none).
+fn decode_apply_body(body: &[u8]) -> Result<(Value, Vec<String>), ApiError> {
     let text = std::str::from_utf8(body)
         .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?;
     if text.trim_start().starts_with('{')
-        && let Ok(v) = serde_json::from_str::<Value>(text)
+        && let Ok(parsed) = fields::parse_noting_duplicates(body)
     {
-        return Ok((v, true));
+        return Ok(parsed);
     }
     let v: Value = serde_yaml::from_str(text)
         .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?;
-    Ok((v, false))
+    Ok((v, Vec::new()))
 }
 
 fn delete_options(
@@ -326,6 +309,7 @@ pub async fn delete(
         n,
         IncludeObject::default(),
         &object,
+        None,
     ))
 }
 

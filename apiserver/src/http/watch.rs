@@ -806,6 +806,7 @@ mod tests {
             labels(now),
             before.map(labels),
             &object(name, rv),
+            None,
         )
     }
 
@@ -1132,6 +1133,7 @@ mod encoding_tests {
             Default::default(),
             None,
             &object,
+            None,
         )
     }
 

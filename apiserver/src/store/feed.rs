@@ -106,8 +106,8 @@ impl Clone for Change {
 const CHANGE_OVERHEAD_BYTES: usize = 256;
 
 impl Change {
-    /// An entry from its parts; `object` is the object as written. Serializes it with
-    /// `resource_version` set.
+    /// An entry from its parts; `object` is the object as written, `json` the same object
+    /// already serialized with `resource_version` (serialized here when `None`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         resource_version: i64,
@@ -118,6 +118,7 @@ impl Change {
         labels: std::collections::BTreeMap<String, String>,
         prev_labels: Option<std::collections::BTreeMap<String, String>>,
         object: &Value,
+        json: Option<bytes::Bytes>,
     ) -> Change {
         Change {
             resource_version,
@@ -127,15 +128,14 @@ impl Change {
             event,
             labels,
             prev_labels,
-            json: json_with_version(object, resource_version),
+            json: json.unwrap_or_else(|| json_with_version(object, resource_version)),
             renderings: Default::default(),
         }
     }
 
     /// The entry of a write this process has just committed, built from what it wrote (the
     /// same fields `write::change_insert` stores). `previous` is the object before the write,
-    /// `None` for a creation; `json` is `object` as the write serialized it, with
-    /// `resource_version` (serialized here when the write had no need to).
+    /// `None` for a creation; `json` as in [`Change::new`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn committed(
         resource_version: i64,
@@ -147,17 +147,17 @@ impl Change {
         previous: Option<&Value>,
         json: Option<bytes::Bytes>,
     ) -> Change {
-        Change {
+        Change::new(
             resource_version,
-            resource: resource.to_owned(),
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
+            resource,
+            namespace,
+            name,
             event,
-            labels: labels_of(object),
-            prev_labels: previous.map(labels_of),
-            json: json.unwrap_or_else(|| json_with_version(object, resource_version)),
-            renderings: Default::default(),
-        }
+            labels_of(object),
+            previous.map(labels_of),
+            object,
+            json,
+        )
     }
 
     /// The object as it is sent, parsed again from [`Change::object_json`].

@@ -391,10 +391,7 @@ async fn open_database(options: &StoreOptions) -> Result<DatabaseConnection, Sto
 /// older). Every replica must be stopped first: a running newer release would write rows the
 /// older schema cannot hold.
 pub async fn downgrade_schema(options: &StoreOptions, to: &str) -> Result<Vec<String>, StoreError> {
-    let known: Vec<String> = migration::Migrator::migrations()
-        .iter()
-        .map(|m| m.name().to_owned())
-        .collect();
+    let known = migration_names();
     if !known.iter().any(|name| name == to) {
         return Err(StoreError::Config(format!(
             "--to {to:?} is not a migration of this release; it knows {}",
@@ -402,6 +399,14 @@ pub async fn downgrade_schema(options: &StoreOptions, to: &str) -> Result<Vec<St
         )));
     }
     change_schema(&open_database(options).await?, SchemaChange::DownTo(to)).await
+}
+
+/// This release's migrations, oldest first.
+fn migration_names() -> Vec<String> {
+    migration::Migrator::migrations()
+        .iter()
+        .map(|m| m.name().to_owned())
+        .collect()
 }
 
 /// What a schema run does.
@@ -453,10 +458,7 @@ async fn apply_schema_change(
         }
         SchemaChange::DownTo(to) => to,
     };
-    let order: Vec<String> = migration::Migrator::migrations()
-        .iter()
-        .map(|m| m.name().to_owned())
-        .collect();
+    let order = migration_names();
     let after =
         |name: &str| order.iter().position(|n| n == name) > order.iter().position(|n| n == to);
     let undone: Vec<String> = migration::Migrator::get_applied_migrations(&conn)

@@ -87,6 +87,11 @@ pub(super) struct RowParts {
 }
 
 impl RowParts {
+    /// The body as the feed and the writer's response share it.
+    pub(super) fn json(&self) -> bytes::Bytes {
+        bytes::Bytes::from(self.body.clone())
+    }
+
     /// `object` already carries `rv` as its resourceVersion.
     pub(super) fn of(
         resource: &ResourceDescriptor,

@@ -253,7 +253,7 @@ impl Store {
                 *rv += 1;
                 object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
                 let parts = RowParts::of(target.resource, object, *rv, prepared.take());
-                let json = bytes::Bytes::from(parts.body.clone());
+                let json = parts.json();
                 let event = if current.is_some() {
                     EventType::Modified
                 } else {
@@ -691,11 +691,13 @@ impl Store {
         now: i64,
         rules: &RoundRules,
     ) -> Result<bytes::Bytes, StoreError> {
+        let parts = RowParts::of(t.resource, object, rv, prepared);
+        let json = parts.json();
         let RowParts {
             body,
             columns: cols,
             results,
-        } = RowParts::of(t.resource, object, rv, prepared);
+        } = parts;
         let rule_ids = rules.ids_of(&results)?;
         staged.changes.push(self.change_values(
             key,
@@ -707,7 +709,6 @@ impl Store {
             rv,
             now,
         ));
-        let json = bytes::Bytes::from(body.clone());
         staged
             .rows
             .push(self.object_values(key, t, &cols, body, rv));
