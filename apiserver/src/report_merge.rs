@@ -394,7 +394,7 @@ impl StoreBackend {
                 .await
                 .map_err(StoreError::from)?
             {
-                let body: String = row.try_get("", "body").map_err(StoreError::from)?;
+                let body = store.body_of_row(&row, || format!("{ns}/{final_key}"))?;
                 let value = parse_document(&format!("{ns}/{final_key}"), &body)?;
                 let report =
                     FinalReport::from_value(value).map_err(|source| AggregationError::Decode {
@@ -442,7 +442,7 @@ impl StoreBackend {
                 .await
                 .map_err(StoreError::from)?
             {
-                let body: String = row.try_get("", "body").map_err(StoreError::from)?;
+                let body = store.body_of_row(&row, || format!("{ns}/{eph_key}"))?;
                 let value = parse_document(&format!("{ns}/{eph_key}"), &body)?;
                 let eph =
                     Ephemeral::from_value(value).map_err(|source| AggregationError::Decode {

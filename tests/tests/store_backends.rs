@@ -712,7 +712,7 @@ async fn group_commit_keeps_versions_gapless_and_commit_ordered_under_32_writers
 /// A statement that fails for one writer of a group commit round (PostgreSQL refuses a NUL
 /// character in a text column; the label value reaches `object_labels` as it is) rolls the
 /// round back; the writers are retried one at a time, so only that writer gets the error and
-/// the others' writes are stored, with gapless versions.
+/// the others' writes are stored, with gapless versions. Creates first, then updates.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failing_statement_fails_only_its_writer() {
     const WRITERS: u64 = 16;
@@ -751,20 +751,73 @@ async fn a_failing_statement_fails_only_its_writer() {
         }
     }
     assert_eq!(acknowledged.len() as u64, WRITERS - 1);
-    acknowledged.sort_unstable();
-    let (current, _) = store.versions().await.unwrap();
-    let logged: Vec<i64> = read_changes(&store, start, None, 1000)
-        .await
-        .unwrap()
-        .iter()
-        .map(|c| c.resource_version)
-        .collect();
-    assert_eq!(logged, ((start + 1)..=current).collect::<Vec<_>>());
-    assert_eq!(logged, acknowledged);
+    assert_log_holds_exactly(&store, start, acknowledged).await;
     assert_eq!(
         store.count(&POLICY_REPORT).await.unwrap(),
         WRITERS as i64 - 1
     );
+
+    // The same for updates, which a round stages as well (the old row goes, the new one is
+    // inserted): the one whose label holds a NUL fails alone and its object stays as it was.
+    let (start, _) = store.versions().await.unwrap();
+    let bad_update = 0;
+    let before = store
+        .get_object(&POLICY_REPORT, "ns", "r-00000")
+        .await
+        .unwrap()
+        .expect("r-00000 was created");
+    let writers: Vec<u64> = (0..WRITERS).filter(|w| *w != bad).collect();
+    let barrier = Arc::new(tokio::sync::Barrier::new(writers.len()));
+    let mut tasks = Vec::new();
+    for &w in &writers {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            let value = if w == bad_update {
+                "nul\u{0}inside"
+            } else {
+                "updated"
+            };
+            barrier.wait().await;
+            let outcome = store
+                .mutate::<StoreError, _>(&POLICY_REPORT, "ns", &format!("r-{w:05}"), false, |c| {
+                    let mut object = c.expect("created above");
+                    object["metadata"]["labels"]["value"] = json!(value);
+                    Ok(Mutation::Put(object))
+                })
+                .await;
+            (w, outcome)
+        }));
+    }
+    let mut acknowledged = Vec::new();
+    for task in tasks {
+        match task.await.unwrap() {
+            (w, Ok(outcome)) => {
+                assert_ne!(w, bad_update, "the update with a NUL character was stored");
+                acknowledged.push(outcome.resource_version);
+            }
+            (w, Err(e)) => {
+                assert_eq!(w, bad_update, "writer {w} failed with another's error: {e}");
+                assert!(matches!(e, StoreError::Database(_)), "{e:?}");
+            }
+        }
+    }
+    assert_eq!(acknowledged.len(), writers.len() - 1);
+    assert_log_holds_exactly(&store, start, acknowledged).await;
+    let after = store
+        .get_object(&POLICY_REPORT, "ns", "r-00000")
+        .await
+        .unwrap()
+        .expect("the failed update left r-00000 in place");
+    assert_eq!(after, before, "a failed update changes nothing");
+    for &w in writers.iter().filter(|w| **w != bad_update) {
+        let object = store
+            .get_object(&POLICY_REPORT, "ns", &format!("r-{w:05}"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(object["metadata"]["labels"]["value"], json!("updated"));
+    }
+
     // Whether the bad write shared its round depends on timing: say what happened.
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
@@ -773,6 +826,21 @@ async fn a_failing_statement_fails_only_its_writer() {
         .find(|l| l.starts_with("reports_server_store_group_commit_retried_rounds_total "))
         .unwrap_or_else(|| panic!("no retried-rounds counter in /metrics:\n{text}"));
     eprintln!("{retried}");
+}
+
+/// The change log after `start` is gapless up to the current version and holds exactly the
+/// `acknowledged` versions.
+async fn assert_log_holds_exactly(store: &Store, start: i64, mut acknowledged: Vec<i64>) {
+    acknowledged.sort_unstable();
+    let (current, _) = store.versions().await.unwrap();
+    let logged: Vec<i64> = read_changes(store, start, None, 1000)
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.resource_version)
+        .collect();
+    assert_eq!(logged, ((start + 1)..=current).collect::<Vec<_>>());
+    assert_eq!(logged, acknowledged);
 }
 
 /// Every row of `report_results`, as text, in a fixed order.
@@ -886,6 +954,11 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
             // `m20261125_000006_lz4_bodies`: PostgreSQL 15 from Debian has LZ4.
             assert_eq!(body_compression(&db).await, ["l", "l"], "new bodies: LZ4");
         }
+        if backend == Backend::Sqlite {
+            // `m20261125_000007_sqlite_lz4_bodies`: the store compresses bodies itself.
+            assert_eq!(body_forms(&db).await, ["blob: 6"], "bodies: LZ4 blobs");
+        }
+        let objects = every_object(&store).await;
         assert!(
             lean.iter()
                 .any(|r| r.contains("|apps/v1|Deployment|ns-b|web|deployment-uid|")),
@@ -907,11 +980,15 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
         assert_eq!(
             undone,
             [
+                "m20261125_000007_sqlite_lz4_bodies",
                 "m20261125_000006_lz4_bodies",
                 "m20261125_000005_lean_results"
             ],
             "{backend:?}"
         );
+        if backend == Backend::Sqlite {
+            assert_eq!(body_forms(&db).await, ["text: 6"], "JSON text again");
+        }
         assert_eq!(
             report_results(&db).await,
             lean,
@@ -948,11 +1025,46 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
             "{backend:?}: a downgrade to a migration newer than the database undoes nothing"
         );
         assert_eq!(report_results(&db).await, lean, "{backend:?}: still there");
-        drop(Store::connect(options).await.unwrap());
+        let store = Store::connect(options).await.unwrap();
         assert_eq!(
             report_results(&db).await,
             lean,
             "{backend:?}: after the upgrade"
         );
+        if backend == Backend::Sqlite {
+            // The upgrade compressed the text bodies the downgrade had left.
+            assert_eq!(body_forms(&db).await, ["blob: 6"], "compressed again");
+        }
+        assert_eq!(every_object(&store).await, objects, "{backend:?}: bodies");
     }
+}
+
+/// How the `objects` rows hold their bodies on SQLite: `typeof(body): rows`.
+async fn body_forms(db: &sea_orm::DatabaseConnection) -> Vec<String> {
+    use sea_orm::ConnectionTrait;
+    db.query_all_raw(sea_orm::Statement::from_string(
+        sea_orm::DbBackend::Sqlite,
+        "SELECT typeof(body) AS form, COUNT(*) AS n FROM objects GROUP BY form ORDER BY form",
+    ))
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| {
+        let form: String = r.try_get("", "form").unwrap();
+        let n: i64 = r.try_get("", "n").unwrap();
+        format!("{form}: {n}")
+    })
+    .collect()
+}
+
+/// Every stored PolicyReport, as the store reads it.
+async fn every_object(store: &Store) -> Vec<Value> {
+    let page = store
+        .list(&ListQuery::all(&POLICY_REPORT))
+        .await
+        .expect("list");
+    page.rows
+        .iter()
+        .map(|r| serde_json::from_str(&r.body).expect("JSON"))
+        .collect()
 }

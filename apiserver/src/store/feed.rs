@@ -451,7 +451,10 @@ pub async fn read_changes(
             let labels: String = r.try_get("", "labels")?;
             // Both copies gone would be a broken invariant of `write`, not a race: the entry
             // and the row change in one transaction and this is one statement.
-            let body: String = r.try_get::<Option<String>>("", "body")?.ok_or_else(|| {
+            let body = store
+                .bodies()
+                .decode_column(r, "body", || format!("change {rv}"))?;
+            let body = body.ok_or_else(|| {
                 StoreError::Corrupt(
                     format!("change {rv}"),
                     "its body is neither in the change log nor in the object's row".into(),

@@ -29,8 +29,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{Condition, Expr, ExprTrait, Query};
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, TransactionTrait};
-use serde_json::Value;
+use sea_orm::{ConnectionTrait, DatabaseTransaction, TransactionTrait};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -39,7 +38,7 @@ use super::feed::{Change, EventType};
 use super::rules::RoundRules;
 use super::schema::Objects;
 use super::write::{
-    Applied, Current, Decided, Mutation, NewObjects, Target, WriteOutcome, lock_counter,
+    Applied, Current, Decided, Mutation, StagedWrites, Target, WriteOutcome, lock_counter,
 };
 use super::{Store, StoreError};
 
@@ -373,15 +372,16 @@ impl Store {
         let now = super::write::now_unix();
         let mut rv = base_rv;
         let mut all = Vec::with_capacity(accepted.len());
-        // Creates go into multi-row statements when there are several (one create is cheaper
-        // alone: on PostgreSQL it is one statement); MySQL has no `INSERT … RETURNING`.
-        let creates = accepted
+        let writes = accepted
             .iter()
             .flat_map(|w| w.currents.iter().zip(&w.decided))
-            .filter(|(current, d)| current.is_none() && matches!(d.mutation, Mutation::Put(_)))
+            .filter(|(current, d)| match d.mutation {
+                Mutation::Put(_) => true,
+                Mutation::Delete => current.is_some(),
+                Mutation::Unchanged => false,
+            })
             .count();
-        let stage_creates = creates > 1 && self.backend() != DbBackend::MySql;
-        let mut staged = NewObjects::default();
+        let mut staged = self.stages(writes).then(StagedWrites::default);
         for writer in accepted.iter_mut() {
             let mut applied = Vec::with_capacity(writer.targets.len());
             for ((target, current), decided) in writer
@@ -390,47 +390,23 @@ impl Store {
                 .zip(&writer.currents)
                 .zip(&mut writer.decided)
             {
-                if let (true, None, Mutation::Put(object)) =
-                    (stage_creates, current, &mut decided.mutation)
-                {
-                    rv += 1;
-                    object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                    let json = self.stage_create(
-                        &mut staged,
-                        &target.key,
-                        &target.target(),
-                        object,
-                        decided.prepared.take(),
-                        rv,
-                        now,
-                        rules,
-                    )?;
-                    applied.push(Applied {
-                        event: Some(EventType::Added),
-                        resource_version: rv,
-                        json: Some(json),
-                    });
-                    continue;
-                }
-                applied.push(
-                    self.apply_one(
-                        txn,
-                        &target.key,
-                        &target.target(),
-                        current.as_ref(),
-                        decided,
-                        &mut rv,
-                        base_rv,
-                        now,
-                        rules,
-                    )
-                    .await?,
-                );
+                let (key, target, current) = (&target.key, target.target(), current.as_ref());
+                applied.push(match staged.as_mut() {
+                    Some(staged) => self.stage(
+                        staged, key, &target, current, decided, &mut rv, base_rv, now, rules,
+                    )?,
+                    None => {
+                        self.apply_one(
+                            txn, key, &target, current, decided, &mut rv, base_rv, now, rules,
+                        )
+                        .await?
+                    }
+                });
             }
             all.push(applied);
         }
-        if !staged.is_empty() {
-            self.insert_staged(txn, staged).await?;
+        if let Some(staged) = staged.filter(|s| !s.is_empty()) {
+            self.write_staged(txn, staged).await?;
         }
         if rv != base_rv {
             self.advance_counter(txn, rv).await?;
@@ -505,18 +481,20 @@ impl Store {
                 )
                 .await?;
             for row in rows {
-                found.insert(
-                    (
-                        row.try_get("", "resource")?,
-                        row.try_get("", "namespace")?,
-                        row.try_get("", "name")?,
-                    ),
-                    Current {
-                        id: row.try_get("", "id")?,
-                        rv: row.try_get("", "resource_version")?,
-                        body: row.try_get("", "body")?,
-                    },
+                let key: (String, String, String) = (
+                    row.try_get("", "resource")?,
+                    row.try_get("", "namespace")?,
+                    row.try_get("", "name")?,
                 );
+                let body = self
+                    .bodies()
+                    .decode_required(&row, "body", || format!("{}/{}", key.1, key.2))?;
+                let current = Current {
+                    id: row.try_get("", "id")?,
+                    rv: row.try_get("", "resource_version")?,
+                    body,
+                };
+                found.insert(key, current);
             }
         }
         let currents = groups

@@ -14,6 +14,7 @@
 //! same transaction. Watches replay it from any retained rv; older requests get 410 Expired.
 //! Retention is bounded by age and count (see [`StoreOptions`]).
 
+mod body;
 pub mod columns;
 pub mod feed;
 mod group_commit;
@@ -265,6 +266,21 @@ impl Store {
 
     pub fn backend(&self) -> DbBackend {
         self.backend
+    }
+
+    /// How this backend's `body` columns hold documents.
+    fn bodies(&self) -> body::BodyCodec {
+        body::BodyCodec::of(self.backend)
+    }
+
+    /// The JSON text of the `body` column of a row of `objects` read with SQL of one's own
+    /// (on SQLite bodies are stored compressed); `what` names the object in errors.
+    pub(crate) fn body_of_row(
+        &self,
+        row: &sea_orm::QueryResult,
+        what: impl Fn() -> String,
+    ) -> Result<String, StoreError> {
+        self.bodies().decode_required(row, "body", what)
     }
 
     pub fn cluster_id(&self) -> &str {

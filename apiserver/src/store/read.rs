@@ -8,6 +8,7 @@ use sea_orm::{
 };
 use serde_json::Value;
 
+use super::body::BodyCodec;
 use super::schema::{ObjectLabels, Objects, StoreState};
 use super::{Store, StoreError, parse_document};
 use crate::selector::{Field, FieldSelector, LabelSelector, Requirement};
@@ -107,18 +108,21 @@ const LIST_COLUMNS: [Objects; 10] = [
     Objects::SummarySkip,
 ];
 
-fn row_of(row: &QueryResult, with_body: bool) -> Result<ListRow, StoreError> {
+/// A row of [`Store::select_objects`]; `bodies` decodes the body when it was selected.
+fn row_of(row: &QueryResult, bodies: Option<BodyCodec>) -> Result<ListRow, StoreError> {
+    let namespace: String = row.try_get("", "namespace")?;
+    let name: String = row.try_get("", "name")?;
+    let body = match bodies {
+        Some(codec) => codec.decode_required(row, "body", || format!("{namespace}/{name}"))?,
+        None => String::new(),
+    };
     Ok(ListRow {
         id: row.try_get("", "id")?,
-        namespace: row.try_get("", "namespace")?,
-        name: row.try_get("", "name")?,
+        namespace,
+        name,
         resource_version: row.try_get("", "resource_version")?,
         metadata: row.try_get("", "metadata")?,
-        body: if with_body {
-            row.try_get("", "body")?
-        } else {
-            String::new()
-        },
+        body,
         summary: [
             row.try_get("", "summary_pass")?,
             row.try_get("", "summary_fail")?,
@@ -188,7 +192,7 @@ impl Store {
         self.connection()
             .query_one(&q)
             .await?
-            .map(|r| row_of(&r, true))
+            .map(|r| row_of(&r, Some(self.bodies())))
             .transpose()
     }
 
@@ -264,7 +268,7 @@ impl Store {
         txn.commit().await?;
         let mut rows = rows
             .iter()
-            .map(|r| row_of(r, !query.metadata_only))
+            .map(|r| row_of(r, (!query.metadata_only).then(|| self.bodies())))
             .collect::<Result<Vec<_>, _>>()?;
         let more = query.limit.is_some_and(|l| rows.len() as u64 > l);
         if more {

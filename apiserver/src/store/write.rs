@@ -14,8 +14,8 @@ use std::collections::HashMap;
 
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{
-    Alias, CommonTableExpression, Condition, Expr, ExprTrait, Func, InsertStatement, OnConflict,
-    Query, WithClause,
+    Alias, ColumnRef, CommonTableExpression, Condition, Expr, ExprTrait, Func, InsertStatement,
+    IntoColumnRef, OnConflict, Query, TableRef, WithClause,
 };
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, TransactionTrait};
 use serde_json::Value;
@@ -75,6 +75,9 @@ pub(super) fn object_row_of_change() -> Condition {
 /// Result rows per INSERT: far below every backend's bind-parameter limit (SQLite 32766,
 /// PostgreSQL 65535) at 13 columns a row.
 const RESULT_ROWS_PER_STATEMENT: usize = 1000;
+
+/// Ids or versions per `IN (…)` list of a round's deletes and retirements.
+const KEYS_PER_STATEMENT: usize = 1000;
 
 pub(super) fn now_unix() -> i64 {
     std::time::SystemTime::now()
@@ -271,7 +274,7 @@ impl Store {
                 );
                 match current {
                     Some(current) => {
-                        self.retire_body(txn, current.rv, &current.body).await?;
+                        self.retire_bodies(txn, &[current.rv]).await?;
                         self.update_row(txn, current.id, parts, *rv, rules).await?;
                         txn.execute(&change).await?;
                     }
@@ -289,22 +292,10 @@ impl Store {
             Mutation::Delete => match (current, current_object.as_mut()) {
                 (Some(current), Some(object)) => {
                     *rv += 1;
-                    self.retire_body(txn, current.rv, &current.body).await?;
-                    self.delete_row(txn, current.id).await?;
-                    object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                    // The row is gone: the entry keeps the last state itself (its labels are
-                    // the previous ones too).
-                    let body = object.to_string();
-                    let change = self.change_insert(
-                        key,
-                        target,
-                        EventType::Deleted,
-                        object,
-                        Some(object),
-                        body,
-                        *rv,
-                        now,
-                    );
+                    self.retire_bodies(txn, &[current.rv]).await?;
+                    self.delete_rows(txn, &[current.id]).await?;
+                    let mut change = changes_head();
+                    change.values_panic(self.deletion_change(key, target, object, *rv, now));
                     txn.execute(&change).await?;
                     Applied {
                         event: Some(EventType::Deleted),
@@ -348,24 +339,39 @@ impl Store {
         Ok(())
     }
 
-    /// Version `rv` of an object is being superseded: its change-log entry, which so far read
-    /// the body from the `objects` row, gets the body itself (if the entry is still retained).
-    async fn retire_body(
+    /// The versions `rvs` are being superseded: their change-log entries, which so far read the
+    /// body from the `objects` rows, get the bodies themselves (entries still retained only).
+    /// The bodies are copied inside the database, from the rows about to change, so they do not
+    /// travel back over the connection; this must run before those rows are updated or deleted.
+    async fn retire_bodies(
         &self,
         txn: &DatabaseTransaction,
-        rv: i64,
-        body: &str,
+        rvs: &[i64],
     ) -> Result<(), StoreError> {
-        txn.execute(
-            &Query::update()
-                .table(Changes::Table)
-                .value(Changes::Body, body)
-                .and_where(Expr::col(Changes::ClusterId).eq(self.cluster_id()))
-                .and_where(Expr::col(Changes::Rv).eq(rv))
-                .and_where(Expr::col(Changes::Body).eq(BODY_IN_OBJECTS))
-                .to_owned(),
-        )
-        .await?;
+        for chunk in rvs.chunks(KEYS_PER_STATEMENT) {
+            let body_of_row = Query::select()
+                .column((Objects::Table, Objects::Body))
+                .from(Objects::Table)
+                .cond_where(object_row_of_change())
+                .to_owned();
+            txn.execute(
+                &Query::update()
+                    .table(Changes::Table)
+                    .value(
+                        Changes::Body,
+                        Expr::SubQuery(None, Box::new(body_of_row.into())),
+                    )
+                    .and_where(
+                        Expr::col((Changes::Table, Changes::ClusterId)).eq(self.cluster_id()),
+                    )
+                    .and_where(
+                        Expr::col((Changes::Table, Changes::Rv)).is_in(chunk.iter().copied()),
+                    )
+                    .and_where(Expr::col((Changes::Table, Changes::Body)).eq(BODY_IN_OBJECTS))
+                    .to_owned(),
+            )
+            .await?;
+        }
         Ok(())
     }
 
@@ -486,45 +492,32 @@ impl Store {
                     (Objects::ScopeName, cols.scope_name.clone().into()),
                     (Objects::ScopeUid, cols.scope_uid.clone().into()),
                     (Objects::Metadata, cols.metadata.clone().into()),
-                    (Objects::Body, body.into()),
+                    (Objects::Body, self.bodies().encode(body).into()),
                 ])
                 .and_where(Expr::col(Objects::Id).eq(id))
                 .to_owned(),
         )
         .await?;
-        self.delete_side_rows(txn, id).await?;
+        self.delete_side_rows(txn, &[id]).await?;
         let rule_ids = rules.ids_of(&results)?;
         self.write_side_rows(txn, &Expr::val(id), &cols, &results, &rule_ids)
             .await
     }
 
-    async fn delete_row(&self, txn: &DatabaseTransaction, id: i64) -> Result<(), StoreError> {
-        txn.execute(
-            &Query::delete()
-                .from_table(Objects::Table)
-                .and_where(Expr::col(Objects::Id).eq(id))
-                .to_owned(),
-        )
-        .await?;
-        self.delete_side_rows(txn, id).await
+    /// Deletes the `objects` rows `ids` with their labels and result rows.
+    async fn delete_rows(&self, txn: &DatabaseTransaction, ids: &[i64]) -> Result<(), StoreError> {
+        delete_where_in(txn, Objects::Table, Objects::Id, ids).await?;
+        self.delete_side_rows(txn, ids).await
     }
 
-    async fn delete_side_rows(&self, txn: &DatabaseTransaction, id: i64) -> Result<(), StoreError> {
-        txn.execute(
-            &Query::delete()
-                .from_table(ObjectLabels::Table)
-                .and_where(Expr::col(ObjectLabels::ObjectId).eq(id))
-                .to_owned(),
-        )
-        .await?;
-        txn.execute(
-            &Query::delete()
-                .from_table(Results::Table)
-                .and_where(Expr::col(Results::ObjectId).eq(id))
-                .to_owned(),
-        )
-        .await?;
-        Ok(())
+    /// Deletes the label and result rows of the objects `ids`.
+    async fn delete_side_rows(
+        &self,
+        txn: &DatabaseTransaction,
+        ids: &[i64],
+    ) -> Result<(), StoreError> {
+        delete_where_in(txn, ObjectLabels::Table, ObjectLabels::ObjectId, ids).await?;
+        delete_where_in(txn, Results::Table, Results::ObjectId, ids).await
     }
 
     async fn write_side_rows(
@@ -587,7 +580,7 @@ impl Store {
             cols.scope_name.clone().into(),
             cols.scope_uid.clone().into(),
             cols.metadata.clone().into(),
-            body.into(),
+            self.bodies().encode(body).into(),
         ]
     }
 
@@ -607,6 +600,31 @@ impl Store {
         let mut insert = changes_head();
         insert.values_panic(self.change_values(key, t, event, object, previous, body, rv, now));
         insert
+    }
+
+    /// The change-log row of the deletion of `object` at version `rv` (set on the object).
+    /// The `objects` row is gone, so the entry keeps the last state itself, and its labels are
+    /// the previous ones too.
+    fn deletion_change(
+        &self,
+        key: &str,
+        t: &Target<'_>,
+        object: &mut Value,
+        rv: i64,
+        now: i64,
+    ) -> [Expr; 10] {
+        object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+        let body = object.to_string();
+        self.change_values(
+            key,
+            t,
+            EventType::Deleted,
+            object,
+            Some(object),
+            body,
+            rv,
+            now,
+        )
     }
 
     /// The values of a `changes` row, in [`changes_head`]'s column order.
@@ -641,17 +659,23 @@ impl Store {
             event.as_str().into(),
             labels.to_string().into(),
             prev_labels.to_string().into(),
-            body.into(),
+            self.bodies().encode(body).into(),
             now.into(),
         ]
     }
 }
 
-/// Objects created in one group commit round, written after the round's other writes with
-/// multi-row statements: a handful of round trips for all of them instead of a few per create
-/// (creates are the commonest write: Kyverno's ephemeral reports).
+/// The writes of one group commit round, applied after its other writes with multi-row
+/// statements: a handful of round trips for all of them instead of several per write (creates
+/// are the commonest write, Kyverno's ephemeral reports; the aggregator updates and deletes in
+/// bulk). A replaced object is deleted and inserted again (a new row id, which nothing outside
+/// the store's own side rows refers to); the row's key and version find the change log.
 #[derive(Default)]
-pub(super) struct NewObjects {
+pub(super) struct StagedWrites {
+    /// Superseded versions whose change-log entries take their bodies ([`Store::retire_bodies`]).
+    retired: Vec<i64>,
+    /// Rows to delete (deleted objects, and the old rows of replaced ones).
+    removed: Vec<i64>,
     rows: Vec<[Expr; 21]>,
     sides: Vec<NewObjectSides>,
     changes: Vec<[Expr; 10]>,
@@ -667,9 +691,9 @@ struct NewObjectSides {
     rule_ids: Vec<i64>,
 }
 
-impl NewObjects {
+impl StagedWrites {
     pub(super) fn is_empty(&self) -> bool {
-        self.rows.is_empty()
+        self.changes.is_empty()
     }
 }
 
@@ -677,58 +701,115 @@ impl NewObjects {
 const OBJECTS_PER_STATEMENT: usize = 500;
 
 impl Store {
-    /// Stages the creation of `object` (its resourceVersion already set to `rv`) for
-    /// [`Store::insert_staged`]; returns the object's JSON as stored.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn stage_create(
-        &self,
-        staged: &mut NewObjects,
-        key: &str,
-        t: &Target<'_>,
-        object: &Value,
-        prepared: Option<Prepared>,
-        rv: i64,
-        now: i64,
-        rules: &RoundRules,
-    ) -> Result<bytes::Bytes, StoreError> {
-        let parts = RowParts::of(t.resource, object, rv, prepared);
-        let json = parts.json();
-        let RowParts {
-            body,
-            columns: cols,
-            results,
-        } = parts;
-        let rule_ids = rules.ids_of(&results)?;
-        staged.changes.push(self.change_values(
-            key,
-            t,
-            EventType::Added,
-            object,
-            None,
-            BODY_IN_OBJECTS.to_owned(),
-            rv,
-            now,
-        ));
-        staged
-            .rows
-            .push(self.object_values(key, t, &cols, body, rv));
-        staged.sides.push(NewObjectSides {
-            key: key.to_owned(),
-            namespace: t.namespace.to_owned(),
-            name: t.name.to_owned(),
-            labels: cols.labels,
-            results,
-            rule_ids,
-        });
-        Ok(json)
+    /// Whether a round writes `writes` mutations through [`StagedWrites`]: one write alone is
+    /// cheaper with its own statements (a create on PostgreSQL is a single statement), and
+    /// MySQL has no `INSERT … RETURNING`.
+    pub(super) fn stages(&self, writes: usize) -> bool {
+        writes > 1 && self.backend() != DbBackend::MySql
     }
 
-    /// Inserts the staged objects, then their labels, result rows and change-log entries.
-    pub(super) async fn insert_staged(
+    /// [`Store::apply_one`] for a staged round: the same versions, events and JSON, with the
+    /// statements left to [`Store::write_staged`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn stage(
+        &self,
+        staged: &mut StagedWrites,
+        key: &str,
+        target: &Target<'_>,
+        current: Option<&Current>,
+        decided: &mut Decided,
+        rv: &mut i64,
+        base_rv: i64,
+        now: i64,
+        rules: &RoundRules,
+    ) -> Result<Applied, StoreError> {
+        let Decided {
+            mutation,
+            current: current_object,
+            prepared,
+        } = decided;
+        Ok(match (mutation, current, current_object.as_mut()) {
+            (Mutation::Unchanged, _, previous) => Applied {
+                event: None,
+                resource_version: previous.as_deref().and_then(current_rv).unwrap_or(0),
+                json: None,
+            },
+            (Mutation::Put(object), current, previous) => {
+                *rv += 1;
+                object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+                let event = match current {
+                    Some(current) => {
+                        staged.retired.push(current.rv);
+                        staged.removed.push(current.id);
+                        EventType::Modified
+                    }
+                    None => EventType::Added,
+                };
+                let parts = RowParts::of(target.resource, object, *rv, prepared.take());
+                let json = parts.json();
+                let RowParts {
+                    body,
+                    columns: cols,
+                    results,
+                } = parts;
+                let rule_ids = rules.ids_of(&results)?;
+                staged.changes.push(self.change_values(
+                    key,
+                    target,
+                    event,
+                    object,
+                    previous.as_deref(),
+                    BODY_IN_OBJECTS.to_owned(),
+                    *rv,
+                    now,
+                ));
+                staged
+                    .rows
+                    .push(self.object_values(key, target, &cols, body, *rv));
+                staged.sides.push(NewObjectSides {
+                    key: key.to_owned(),
+                    namespace: target.namespace.to_owned(),
+                    name: target.name.to_owned(),
+                    labels: cols.labels,
+                    results,
+                    rule_ids,
+                });
+                Applied {
+                    event: Some(event),
+                    resource_version: *rv,
+                    json: Some(json),
+                }
+            }
+            (Mutation::Delete, Some(current), Some(object)) => {
+                *rv += 1;
+                staged.retired.push(current.rv);
+                staged.removed.push(current.id);
+                staged
+                    .changes
+                    .push(self.deletion_change(key, target, object, *rv, now));
+                Applied {
+                    event: Some(EventType::Deleted),
+                    resource_version: *rv,
+                    json: None,
+                }
+            }
+            (Mutation::Delete, ..) => Applied {
+                event: None,
+                resource_version: base_rv,
+                json: None,
+            },
+        })
+    }
+
+    /// Writes a round's staged writes: retires the superseded bodies, deletes the removed rows,
+    /// inserts the new ones, then their labels, result rows and change-log entries.
+    pub(super) async fn write_staged(
         &self,
         txn: &DatabaseTransaction,
-        staged: NewObjects,
+        staged: StagedWrites,
     ) -> Result<(), StoreError> {
+        self.retire_bodies(txn, &staged.retired).await?;
+        self.delete_rows(txn, &staged.removed).await?;
         let mut ids: HashMap<(String, String, String), i64> = HashMap::new();
         let mut rows = staged.rows.into_iter().peekable();
         while rows.peek().is_some() {
@@ -784,6 +865,26 @@ async fn insert_in_chunks<const N: usize>(
 ) -> Result<(), StoreError> {
     for insert in multi_row_inserts(head, rows) {
         txn.execute(&insert).await?;
+    }
+    Ok(())
+}
+
+/// `DELETE FROM table WHERE column IN (ids)`, [`KEYS_PER_STATEMENT`] ids per statement.
+async fn delete_where_in(
+    txn: &DatabaseTransaction,
+    table: impl Into<TableRef>,
+    column: impl IntoColumnRef,
+    ids: &[i64],
+) -> Result<(), StoreError> {
+    let (table, column): (TableRef, ColumnRef) = (table.into(), column.into_column_ref());
+    for chunk in ids.chunks(KEYS_PER_STATEMENT) {
+        txn.execute(
+            &Query::delete()
+                .from_table(table.clone())
+                .and_where(Expr::col(column.clone()).is_in(chunk.iter().copied()))
+                .to_owned(),
+        )
+        .await?;
     }
     Ok(())
 }

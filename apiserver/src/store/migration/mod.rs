@@ -13,6 +13,7 @@ pub(crate) mod m20261123_000003_nonzero_resource_version;
 pub(crate) mod m20261124_000004_one_body_copy;
 pub(crate) mod m20261125_000005_lean_results;
 pub(crate) mod m20261125_000006_lz4_bodies;
+pub(crate) mod m20261125_000007_sqlite_lz4_bodies;
 
 pub struct Migrator;
 
@@ -26,6 +27,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261124_000004_one_body_copy::Migration),
             Box::new(m20261125_000005_lean_results::Migration),
             Box::new(m20261125_000006_lz4_bodies::Migration),
+            Box::new(m20261125_000007_sqlite_lz4_bodies::Migration),
         ]
     }
 }
