@@ -10,6 +10,11 @@
 //! - `update`: each created report replaced once (another rule failing), with its
 //!   resourceVersion, as Kyverno updates a report;
 //! - `list`: a paginated list of everything (`--repeat` times);
+//! - `raw-list`: the same pages read as bytes, parsing only each item's name and the
+//!   `continue` token: what the server and the wire cost, without a client building 10,000
+//!   typed objects (kube-rs decoding a full list costs about as much as serving it);
+//! - `database-read` (in-process server only): every stored body read with one `SELECT`
+//!   through the server's own connection pool — the floor a full list is compared with;
 //! - `metadata-list`: the same as `PartialObjectMetadataList` (what metadata informers and
 //!   garbage collection read);
 //! - `kubectl-get`: `kubectl get polr -A`, a Table list in kubectl's chunks of 500;
@@ -46,10 +51,12 @@ use reports_server_crds::fixtures::{Subject, pss_policy_report};
 use serde_json::json;
 
 /// Every phase, in the order they run.
-const PHASES: [&str; 8] = [
+const PHASES: [&str; 10] = [
     "create",
     "update",
     "list",
+    "raw-list",
+    "database-read",
     "metadata-list",
     "kubectl-get",
     "watcher-sync",
@@ -66,8 +73,8 @@ const USER_HZ: f64 = 100.0;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Phases to run, comma-separated: create, update, list, metadata-list, kubectl-get,
-    /// watcher-sync, watch-latency, rss, or all.
+    /// Phases to run, comma-separated: create, update, list, raw-list, database-read,
+    /// metadata-list, kubectl-get, watcher-sync, watch-latency, rss, or all.
     #[arg(
         long,
         env = "REPORTS_SERVER_BENCH_PHASES",
@@ -510,6 +517,45 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     &format!("{} objects in {pages} pages", listed.unwrap_or(0)),
                 );
             }
+            "raw-list" => {
+                let mut samples = Vec::new();
+                let mut n = 0;
+                for _ in 0..args.repeat.max(1) {
+                    let started = Instant::now();
+                    n = list_raw_all(&client, args.page_size).await?;
+                    samples.push(started.elapsed().as_secs_f64());
+                    check_count("raw-list", n, created.len(), args.kubeconfig.is_some())?;
+                }
+                figures.add(
+                    "raw_list_seconds",
+                    format!(
+                        "paginated list read as bytes, names parsed (limit={})",
+                        args.page_size
+                    ),
+                    "s",
+                    &samples,
+                    &format!("{n} objects"),
+                );
+            }
+            "database-read" => {
+                let s = server
+                    .as_ref()
+                    .context("phase database-read needs the in-process server")?;
+                let mut samples = Vec::new();
+                let mut read = (0, 0);
+                for _ in 0..args.repeat.max(1) {
+                    let started = Instant::now();
+                    read = read_every_body(&s.store).await?;
+                    samples.push(started.elapsed().as_secs_f64());
+                }
+                figures.add(
+                    "database_read_seconds",
+                    "SELECT every stored body (the database's floor for a full list)",
+                    "s",
+                    &samples,
+                    &format!("{} bodies, {} as stored", read.0, mb(read.1)),
+                );
+            }
             "metadata-list" => {
                 let mut samples = Vec::new();
                 let mut n = 0;
@@ -716,40 +762,128 @@ async fn update(args: &BenchArgs, client: &kube::Client, created: &Created) -> a
 
 /// Lists everything page by page; fails if an object comes back twice. Returns (objects, pages).
 async fn list_all(api: &Api<PolicyReport>, page_size: u32) -> anyhow::Result<(usize, usize)> {
-    walk_pages(page_size, |params| async move { api.list(&params).await }).await
+    walk_pages(page_size, |params| async move {
+        Ok(KeysPage::of(api.list(&params).await?))
+    })
+    .await
 }
 
-/// [`list_all`] as `PartialObjectMetadataList` pages.
-async fn list_metadata_all(api: &Api<PolicyReport>, page_size: u32) -> anyhow::Result<usize> {
-    Ok(walk_pages(page_size, |params| async move {
-        api.list_metadata(&params).await
+/// [`list_all`] reading each page as bytes and parsing only the names and the `continue`
+/// token (unknown fields are skipped by the parser, not built).
+async fn list_raw_all(client: &kube::Client, page_size: u32) -> anyhow::Result<usize> {
+    #[derive(serde::Deserialize)]
+    struct Page {
+        metadata: ListMeta,
+        items: Vec<Item>,
+    }
+    #[derive(serde::Deserialize)]
+    struct ListMeta {
+        #[serde(rename = "continue")]
+        continue_: Option<String>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Item {
+        metadata: ItemMeta,
+    }
+    #[derive(serde::Deserialize)]
+    struct ItemMeta {
+        namespace: Option<String>,
+        name: String,
+    }
+    let url = format!(
+        "/apis/{}/{}/{}",
+        POLICY_REPORT.group, POLICY_REPORT.version, POLICY_REPORT.plural
+    );
+    let request = kube::core::Request::new(url);
+    Ok(walk_pages(page_size, |params| {
+        let (client, request) = (client.clone(), &request);
+        async move {
+            let bytes = client
+                .request_text(request.list(&params).context("list request")?)
+                .await?;
+            let page: Page = serde_json::from_str(&bytes).context("list page")?;
+            Ok(KeysPage {
+                keys: page
+                    .items
+                    .into_iter()
+                    .map(|i| (i.metadata.namespace.unwrap_or_default(), i.metadata.name))
+                    .collect(),
+                continue_: page.metadata.continue_,
+            })
+        }
     })
     .await?
     .0)
 }
 
+/// Every stored PolicyReport body, read through the server's own connection: (bodies, bytes
+/// as stored — compressed on SQLite).
+async fn read_every_body(store: &Store) -> anyhow::Result<(usize, u64)> {
+    let rows = store
+        .query_raw(&format!(
+            "SELECT body FROM objects WHERE cluster_id = '{}' AND resource = '{}'",
+            store.cluster_id(),
+            Store::resource_key(&POLICY_REPORT)
+        ))
+        .await?;
+    let mut bytes = 0;
+    for row in &rows {
+        bytes += match store.backend() {
+            sea_orm::DbBackend::Sqlite => row.try_get::<Vec<u8>>("", "body")?.len(),
+            _ => row.try_get::<String>("", "body")?.len(),
+        } as u64;
+    }
+    Ok((rows.len(), bytes))
+}
+
+/// [`list_all`] as `PartialObjectMetadataList` pages.
+async fn list_metadata_all(api: &Api<PolicyReport>, page_size: u32) -> anyhow::Result<usize> {
+    Ok(walk_pages(page_size, |params| async move {
+        Ok(KeysPage::of(api.list_metadata(&params).await?))
+    })
+    .await?
+    .0)
+}
+
+/// What [`walk_pages`] needs of a page: its objects' (namespace, name) and `continue` token.
+struct KeysPage {
+    keys: Vec<(String, String)>,
+    continue_: Option<String>,
+}
+
+impl KeysPage {
+    fn of<T: kube::Resource + Clone>(page: kube::core::ObjectList<T>) -> Self {
+        use kube::ResourceExt as _;
+        KeysPage {
+            keys: page
+                .items
+                .iter()
+                .map(|item| (item.namespace().unwrap_or_default(), item.name_any()))
+                .collect(),
+            continue_: page.metadata.continue_,
+        }
+    }
+}
+
 /// Follows `continue` tokens from the first page of `page_size` until the last, checking that
 /// no object comes back twice. Returns (objects, pages).
-async fn walk_pages<T, F, Fut>(page_size: u32, mut fetch: F) -> anyhow::Result<(usize, usize)>
+async fn walk_pages<F, Fut>(page_size: u32, mut fetch: F) -> anyhow::Result<(usize, usize)>
 where
-    T: kube::Resource + Clone,
     F: FnMut(ListParams) -> Fut,
-    Fut: std::future::Future<Output = kube::Result<kube::core::ObjectList<T>>>,
+    Fut: std::future::Future<Output = anyhow::Result<KeysPage>>,
 {
-    use kube::ResourceExt as _;
     let mut seen = HashSet::new();
     let mut pages = 0;
     let mut params = ListParams::default().limit(page_size);
     loop {
         let page = fetch(params.clone()).await?;
         pages += 1;
-        for item in &page.items {
-            let key = (item.namespace().unwrap_or_default(), item.name_any());
+        for key in page.keys {
             if !seen.insert(key.clone()) {
                 bail!("object {key:?} was listed twice");
             }
         }
-        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+        match page.continue_.filter(|c| !c.is_empty()) {
             Some(c) => params = params.continue_token(&c),
             None => return Ok((seen.len(), pages)),
         }
