@@ -241,38 +241,27 @@ impl Store {
         now: i64,
         rules: &RoundRules,
     ) -> Result<Applied, StoreError> {
-        let Decided {
-            mutation,
-            current: current_object,
-            prepared,
-        } = decided;
-        Ok(match mutation {
-            Mutation::Unchanged => Applied {
-                event: None,
-                resource_version: current_object.as_ref().and_then(current_rv).unwrap_or(0),
-                json: None,
-            },
-            Mutation::Put(object) => {
-                *rv += 1;
-                object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                let parts = RowParts::of(target.resource, object, *rv, prepared.take());
-                let json = parts.json();
-                let event = if current.is_some() {
-                    EventType::Modified
-                } else {
-                    EventType::Added
-                };
+        Ok(match version(target, current, decided, rv, base_rv) {
+            Versioned::Nothing(applied) => applied,
+            Versioned::Put {
+                event,
+                parts,
+                object,
+                previous,
+                replaces,
+            } => {
+                let applied = Applied::put(event, *rv, &parts);
                 let change = self.change_insert(
                     key,
                     target,
                     event,
                     object,
-                    current_object.as_ref(),
+                    previous,
                     BODY_IN_OBJECTS.to_owned(),
                     *rv,
                     now,
                 );
-                match current {
+                match replaces {
                     Some(current) => {
                         self.retire_bodies(txn, &[current.rv]).await?;
                         self.update_row(txn, current.id, parts, *rv, rules).await?;
@@ -283,32 +272,16 @@ impl Store {
                             .await?;
                     }
                 }
-                Applied {
-                    event: Some(event),
-                    resource_version: *rv,
-                    json: Some(json),
-                }
+                applied
             }
-            Mutation::Delete => match (current, current_object.as_mut()) {
-                (Some(current), Some(object)) => {
-                    *rv += 1;
-                    self.retire_bodies(txn, &[current.rv]).await?;
-                    self.delete_rows(txn, &[current.id]).await?;
-                    let mut change = changes_head();
-                    change.values_panic(self.deletion_change(key, target, object, *rv, now));
-                    txn.execute(&change).await?;
-                    Applied {
-                        event: Some(EventType::Deleted),
-                        resource_version: *rv,
-                        json: None,
-                    }
-                }
-                _ => Applied {
-                    event: None,
-                    resource_version: base_rv,
-                    json: None,
-                },
-            },
+            Versioned::Delete { current, object } => {
+                self.retire_bodies(txn, &[current.rv]).await?;
+                self.delete_rows(txn, &[current.id]).await?;
+                let mut change = changes_head();
+                change.values_panic(self.deletion_change(key, target, object, *rv, now));
+                txn.execute(&change).await?;
+                Applied::deleted(*rv)
+            }
         })
     }
 
@@ -602,18 +575,17 @@ impl Store {
         insert
     }
 
-    /// The change-log row of the deletion of `object` at version `rv` (set on the object).
-    /// The `objects` row is gone, so the entry keeps the last state itself, and its labels are
-    /// the previous ones too.
+    /// The change-log row of the deletion of `object` at version `rv` (which the object
+    /// already carries). The `objects` row is gone, so the entry keeps the last state itself,
+    /// and its labels are the previous ones too.
     fn deletion_change(
         &self,
         key: &str,
         t: &Target<'_>,
-        object: &mut Value,
+        object: &Value,
         rv: i64,
         now: i64,
     ) -> [Expr; 10] {
-        object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
         let body = object.to_string();
         self.change_values(
             key,
@@ -723,30 +695,20 @@ impl Store {
         now: i64,
         rules: &RoundRules,
     ) -> Result<Applied, StoreError> {
-        let Decided {
-            mutation,
-            current: current_object,
-            prepared,
-        } = decided;
-        Ok(match (mutation, current, current_object.as_mut()) {
-            (Mutation::Unchanged, _, previous) => Applied {
-                event: None,
-                resource_version: previous.as_deref().and_then(current_rv).unwrap_or(0),
-                json: None,
-            },
-            (Mutation::Put(object), current, previous) => {
-                *rv += 1;
-                object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
-                let event = match current {
-                    Some(current) => {
-                        staged.retired.push(current.rv);
-                        staged.removed.push(current.id);
-                        EventType::Modified
-                    }
-                    None => EventType::Added,
-                };
-                let parts = RowParts::of(target.resource, object, *rv, prepared.take());
-                let json = parts.json();
+        Ok(match version(target, current, decided, rv, base_rv) {
+            Versioned::Nothing(applied) => applied,
+            Versioned::Put {
+                event,
+                parts,
+                object,
+                previous,
+                replaces,
+            } => {
+                let applied = Applied::put(event, *rv, &parts);
+                if let Some(current) = replaces {
+                    staged.retired.push(current.rv);
+                    staged.removed.push(current.id);
+                }
                 let RowParts {
                     body,
                     columns: cols,
@@ -758,7 +720,7 @@ impl Store {
                     target,
                     event,
                     object,
-                    previous.as_deref(),
+                    previous,
                     BODY_IN_OBJECTS.to_owned(),
                     *rv,
                     now,
@@ -774,30 +736,16 @@ impl Store {
                     results,
                     rule_ids,
                 });
-                Applied {
-                    event: Some(event),
-                    resource_version: *rv,
-                    json: Some(json),
-                }
+                applied
             }
-            (Mutation::Delete, Some(current), Some(object)) => {
-                *rv += 1;
+            Versioned::Delete { current, object } => {
                 staged.retired.push(current.rv);
                 staged.removed.push(current.id);
                 staged
                     .changes
                     .push(self.deletion_change(key, target, object, *rv, now));
-                Applied {
-                    event: Some(EventType::Deleted),
-                    resource_version: *rv,
-                    json: None,
-                }
+                Applied::deleted(*rv)
             }
-            (Mutation::Delete, ..) => Applied {
-                event: None,
-                resource_version: base_rv,
-                json: None,
-            },
         })
     }
 
@@ -1083,6 +1031,76 @@ pub(super) struct Decided {
     pub(super) prepared: Option<Prepared>,
 }
 
+/// A decided mutation with its resourceVersion assigned (the object stamped with it): what
+/// [`Store::apply_one`] writes at once and [`Store::stage`] leaves to [`Store::write_staged`].
+// One lives briefly per write and is matched at once: boxing the row would only add an
+// allocation.
+#[allow(clippy::large_enum_variant)]
+enum Versioned<'a> {
+    /// Nothing to write: the object is unchanged, or a delete found nothing.
+    Nothing(Applied),
+    /// A create, or the replacement of the row `replaces`.
+    Put {
+        event: EventType,
+        parts: RowParts,
+        object: &'a Value,
+        previous: Option<&'a Value>,
+        replaces: Option<&'a Current>,
+    },
+    /// The removal of `current`; `object` is its last state, with the deletion's version.
+    Delete {
+        current: &'a Current,
+        object: &'a Value,
+    },
+}
+
+/// Gives `decided` the next resourceVersion after `rv` (advancing it) when it writes
+/// something; `base_rv` is the round's starting version.
+fn version<'a>(
+    target: &Target<'_>,
+    current: Option<&'a Current>,
+    decided: &'a mut Decided,
+    rv: &mut i64,
+    base_rv: i64,
+) -> Versioned<'a> {
+    let Decided {
+        mutation,
+        current: current_object,
+        prepared,
+    } = decided;
+    match (mutation, current, current_object.as_mut()) {
+        (Mutation::Unchanged, _, previous) => Versioned::Nothing(Applied {
+            event: None,
+            resource_version: previous.as_deref().and_then(current_rv).unwrap_or(0),
+            json: None,
+        }),
+        (Mutation::Put(object), replaces, previous) => {
+            *rv += 1;
+            object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+            Versioned::Put {
+                event: match replaces {
+                    Some(_) => EventType::Modified,
+                    None => EventType::Added,
+                },
+                parts: RowParts::of(target.resource, object, *rv, prepared.take()),
+                object,
+                previous: previous.map(|p| &*p),
+                replaces,
+            }
+        }
+        (Mutation::Delete, Some(current), Some(object)) => {
+            *rv += 1;
+            object["metadata"]["resourceVersion"] = Value::String(rv.to_string());
+            Versioned::Delete { current, object }
+        }
+        (Mutation::Delete, ..) => Versioned::Nothing(Applied {
+            event: None,
+            resource_version: base_rv,
+            json: None,
+        }),
+    }
+}
+
 /// What a round did with one decision.
 pub(super) struct Applied {
     pub(super) event: Option<EventType>,
@@ -1090,6 +1108,24 @@ pub(super) struct Applied {
     /// The object as written, as JSON with its resourceVersion (puts only): serialized once
     /// for the row, then shared by the feed and the writer's response.
     pub(super) json: Option<bytes::Bytes>,
+}
+
+impl Applied {
+    fn put(event: EventType, rv: i64, parts: &RowParts) -> Self {
+        Applied {
+            event: Some(event),
+            resource_version: rv,
+            json: Some(parts.json()),
+        }
+    }
+
+    fn deleted(rv: i64) -> Self {
+        Applied {
+            event: Some(EventType::Deleted),
+            resource_version: rv,
+            json: None,
+        }
+    }
 }
 
 impl Decided {
