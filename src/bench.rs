@@ -499,16 +499,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 );
             }
             "list" => {
-                let mut samples = Vec::new();
-                let mut pages = 0;
-                for _ in 0..args.repeat.max(1) {
-                    let started = Instant::now();
-                    let (n, p) = list_all(&api, args.page_size).await?;
-                    samples.push(started.elapsed().as_secs_f64());
+                let (samples, (n, pages)) = repeated(args.repeat, || async {
+                    let (n, pages) = list_all(&api, args.page_size).await?;
                     check_count("list", n, created.len(), args.kubeconfig.is_some())?;
-                    listed = Some(n);
-                    pages = p;
-                }
+                    Ok((n, pages))
+                })
+                .await?;
+                listed = Some(n);
                 figures.add(
                     "list_seconds",
                     format!("paginated list (limit={})", args.page_size),
@@ -518,14 +515,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 );
             }
             "raw-list" => {
-                let mut samples = Vec::new();
-                let mut n = 0;
-                for _ in 0..args.repeat.max(1) {
-                    let started = Instant::now();
-                    n = list_raw_all(&client, args.page_size).await?;
-                    samples.push(started.elapsed().as_secs_f64());
+                let (samples, n) = repeated(args.repeat, || async {
+                    let n = list_raw_all(&client, args.page_size).await?;
                     check_count("raw-list", n, created.len(), args.kubeconfig.is_some())?;
-                }
+                    Ok(n)
+                })
+                .await?;
                 figures.add(
                     "raw_list_seconds",
                     format!(
@@ -541,13 +536,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let s = server
                     .as_ref()
                     .context("phase database-read needs the in-process server")?;
-                let mut samples = Vec::new();
-                let mut read = (0, 0);
-                for _ in 0..args.repeat.max(1) {
-                    let started = Instant::now();
-                    read = read_every_body(&s.store).await?;
-                    samples.push(started.elapsed().as_secs_f64());
-                }
+                let (samples, read) = repeated(args.repeat, || read_every_body(&s.store)).await?;
                 figures.add(
                     "database_read_seconds",
                     "SELECT every stored body (the database's floor for a full list)",
@@ -557,14 +546,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 );
             }
             "metadata-list" => {
-                let mut samples = Vec::new();
-                let mut n = 0;
-                for _ in 0..args.repeat.max(1) {
-                    let started = Instant::now();
-                    n = list_metadata_all(&api, args.page_size).await?;
-                    samples.push(started.elapsed().as_secs_f64());
+                let (samples, n) = repeated(args.repeat, || async {
+                    let n = list_metadata_all(&api, args.page_size).await?;
                     check_count("metadata-list", n, created.len(), args.kubeconfig.is_some())?;
-                }
+                    Ok(n)
+                })
+                .await?;
                 figures.add(
                     "metadata_list_seconds",
                     format!("metadata-only paginated list (limit={})", args.page_size),
@@ -574,19 +561,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 );
             }
             "kubectl-get" => {
-                let mut samples = Vec::new();
-                let mut n = 0;
-                for _ in 0..args.repeat.max(1) {
-                    let started = Instant::now();
-                    n = kubectl_get_all(&kubeconfig).await?;
-                    samples.push(started.elapsed().as_secs_f64());
+                let (samples, n) = repeated(args.repeat, || async {
+                    let n = kubectl_get_all(&kubeconfig).await?;
                     check_count(
                         "kubectl get polr -A",
                         n,
                         created.len(),
                         args.kubeconfig.is_some(),
                     )?;
-                }
+                    Ok(n)
+                })
+                .await?;
                 figures.add(
                     "kubectl_get_seconds",
                     "kubectl get polr -A",
@@ -673,6 +658,23 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         s.shutdown().await;
     }
     Ok(())
+}
+
+/// Runs a read phase's pass `repeat` times (at least once): the wall time of each pass, and
+/// what the last one returned.
+async fn repeated<T, F, Fut>(repeat: usize, mut pass: F) -> anyhow::Result<(Vec<f64>, T)>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let mut samples = Vec::new();
+    let mut last = None;
+    for _ in 0..repeat.max(1) {
+        let started = Instant::now();
+        last = Some(pass().await?);
+        samples.push(started.elapsed().as_secs_f64());
+    }
+    Ok((samples, last.expect("at least one pass")))
 }
 
 /// A list must return what this run created; against a kubeconfig other objects may exist too

@@ -134,7 +134,7 @@ impl Change {
     }
 
     /// The entry of a write this process has just committed, built from what it wrote (the
-    /// same fields `write::change_insert` stores). `previous` is the object before the write,
+    /// same fields `Store::change_values` stores). `previous` is the object before the write,
     /// `None` for a creation; `json` as in [`Change::new`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn committed(

@@ -251,7 +251,7 @@ impl Store {
                 replaces,
             } => {
                 let applied = Applied::put(event, *rv, &parts);
-                let change = self.change_insert(
+                let change = one_change(self.change_values(
                     key,
                     target,
                     event,
@@ -260,7 +260,7 @@ impl Store {
                     BODY_IN_OBJECTS.to_owned(),
                     *rv,
                     now,
-                );
+                ));
                 match replaces {
                     Some(current) => {
                         self.retire_bodies(txn, &[current.rv]).await?;
@@ -277,8 +277,7 @@ impl Store {
             Versioned::Delete { current, object } => {
                 self.retire_bodies(txn, &[current.rv]).await?;
                 self.delete_rows(txn, &[current.id]).await?;
-                let mut change = changes_head();
-                change.values_panic(self.deletion_change(key, target, object, *rv, now));
+                let change = one_change(self.deletion_change(key, target, object, *rv, now));
                 txn.execute(&change).await?;
                 Applied::deleted(*rv)
             }
@@ -555,24 +554,6 @@ impl Store {
             cols.metadata.clone().into(),
             self.bodies().encode(body).into(),
         ]
-    }
-
-    /// The change-log entry of a write.
-    #[allow(clippy::too_many_arguments)]
-    fn change_insert(
-        &self,
-        key: &str,
-        t: &Target<'_>,
-        event: EventType,
-        object: &Value,
-        previous: Option<&Value>,
-        body: String,
-        rv: i64,
-        now: i64,
-    ) -> InsertStatement {
-        let mut insert = changes_head();
-        insert.values_panic(self.change_values(key, t, event, object, previous, body, rv, now));
-        insert
     }
 
     /// The change-log row of the deletion of `object` at version `rv` (which the object
@@ -978,6 +959,13 @@ fn changes_head() -> InsertStatement {
         ])
         .on_conflict(OnConflict::new().do_nothing().to_owned())
         .to_owned()
+}
+
+/// The INSERT of one change-log row (from [`Store::change_values`]).
+fn one_change(row: [Expr; 10]) -> InsertStatement {
+    let mut insert = changes_head();
+    insert.values_panic(row);
+    insert
 }
 
 /// The primary key already taken: the driver's unique-violation code, not its wording.

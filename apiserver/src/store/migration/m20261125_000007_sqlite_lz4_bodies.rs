@@ -26,6 +26,9 @@ impl MigrationName for Migration {
 
 const ROWS_PER_BATCH: i64 = 500;
 
+/// A progress line each time this many more bodies are rewritten.
+const PROGRESS_EVERY: u64 = 10_000;
+
 /// The tables holding whole bodies; the change log's empty marker is left as it is.
 const BODY_TABLES: [&str; 2] = ["objects", "changes"];
 
@@ -89,8 +92,9 @@ async fn rewrite_bodies(manager: &SchemaManager<'_>, direction: Direction) -> Re
                 ))
                 .await?;
             }
+            let before = rewritten;
             rewritten += rows.len() as u64;
-            if rewritten % 10_000 < ROWS_PER_BATCH as u64 {
+            if rewritten / PROGRESS_EVERY > before / PROGRESS_EVERY {
                 tracing::info!(table, rewritten, "rewriting bodies");
             }
         }
