@@ -371,7 +371,9 @@ fn load_average() -> f64 {
 }
 
 /// Creates the namespaces the reports go to (kube-apiserver refuses namespaced custom
-/// resources in a namespace that does not exist); one that exists already is fine.
+/// resources in a namespace that does not exist); one that exists already is fine, and a
+/// server that serves no namespaces at all (a standalone reports-server, which needs none) is
+/// left as it is.
 async fn ensure_namespaces(client: &kube::Client, names: &[String]) -> anyhow::Result<()> {
     let api: Api<Namespace> = Api::all(client.clone());
     for name in names {
@@ -385,6 +387,12 @@ async fn ensure_namespaces(client: &kube::Client, names: &[String]) -> anyhow::R
         match api.create(&PostParams::default(), &ns).await {
             Ok(_) => {}
             Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                println!(
+                    "the server serves no namespaces (a standalone reports-server): none created"
+                );
+                return Ok(());
+            }
             Err(e) => {
                 return Err(e).with_context(|| format!("creating namespace {name}"));
             }

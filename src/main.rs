@@ -192,8 +192,9 @@ struct ServeArgs {
         default_value_t = 100_000
     )]
     watch_history_max_events: i64,
-    /// Bytes of recent changes buffered for live watchers (their JSON, shared by all of them);
-    /// a watcher further behind is cut off and resumes from the change log. Default 64 MiB.
+    /// Most bytes of changes buffered for live watchers that have yet to read them (their JSON,
+    /// shared by all of them; a change every watcher has read is dropped); a watcher further
+    /// behind is cut off and resumes from the change log. Default 64 MiB.
     #[arg(
         long,
         env = "REPORTS_SERVER_WATCH_BUFFER_BYTES",

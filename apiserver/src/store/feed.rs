@@ -244,7 +244,7 @@ pub struct ChangeFeed {
 
 struct FeedInner {
     buffer: Arc<Ring<Change>>,
-    /// What the buffer holds, for `/metrics` (set after every push).
+    /// What the buffer holds, for `/metrics` (set by the buffer after every change).
     buffered_bytes: Gauge,
     buffered_changes: Gauge,
     wake: Notify,
@@ -268,11 +268,19 @@ impl ChangeFeed {
     /// A feed whose buffer of recent changes holds at most `buffer_bytes` of their JSON; a
     /// watcher further behind is cut off and resumes from the change log.
     pub fn new(buffer_bytes: usize) -> Self {
+        let (buffered_bytes, buffered_changes) = (Gauge::default(), Gauge::default());
+        let buffer = {
+            let (bytes, changes) = (buffered_bytes.clone(), buffered_changes.clone());
+            Ring::observed(buffer_bytes, move |held| {
+                bytes.set(held.bytes as i64);
+                changes.set(held.entries as i64);
+            })
+        };
         ChangeFeed {
             inner: Arc::new(FeedInner {
-                buffer: Ring::new(buffer_bytes),
-                buffered_bytes: Gauge::default(),
-                buffered_changes: Gauge::default(),
+                buffer,
+                buffered_bytes,
+                buffered_changes,
                 wake: Notify::new(),
                 delivered: AtomicI64::new(0),
                 gate: Default::default(),
@@ -336,9 +344,7 @@ impl ChangeFeed {
             .delivered
             .store(change.resource_version, Ordering::SeqCst);
         let bytes = change.buffered_bytes();
-        let held = self.inner.buffer.push(Arc::new(change), bytes);
-        self.inner.buffered_bytes.set(held.bytes as i64);
-        self.inner.buffered_changes.set(held.entries as i64);
+        self.inner.buffer.push(Arc::new(change), bytes);
     }
 
     /// Highest resourceVersion broadcast so far.
