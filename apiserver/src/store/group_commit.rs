@@ -28,7 +28,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use reports_server_crds::ResourceDescriptor;
-use sea_orm::sea_query::{Condition, Expr, ExprTrait, Query};
+use sea_orm::sea_query::{Condition, Expr, ExprTrait, Query, SelectStatement};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, TransactionTrait};
 use tokio::sync::oneshot;
 use tracing::Instrument;
@@ -44,6 +44,35 @@ use super::{Store, StoreError};
 
 /// Keys per current-row SELECT: bind parameters stay far below every backend's limit.
 const KEYS_PER_READ: usize = 200;
+
+/// The current rows of `targets`. The cluster goes into every term, not beside the `OR`:
+/// SQLite then seeks the unique key once per term, where with `cluster_id = ? AND (… OR …)` its
+/// planner scanned every object of the cluster, once per round (creates slowed as the store
+/// grew: 388 reports/s over 100,000 where the first 10,000 went at 1,700/s).
+fn current_rows_query(cluster_id: &str, targets: &[&OwnedTarget]) -> SelectStatement {
+    let mut any = Condition::any();
+    for t in targets {
+        any = any.add(
+            Condition::all()
+                .add(Expr::col(Objects::ClusterId).eq(cluster_id))
+                .add(Expr::col(Objects::Resource).eq(t.key.as_str()))
+                .add(Expr::col(Objects::Namespace).eq(t.namespace.as_str()))
+                .add(Expr::col(Objects::Name).eq(t.name.as_str())),
+        );
+    }
+    Query::select()
+        .columns([
+            Objects::Id,
+            Objects::Resource,
+            Objects::Namespace,
+            Objects::Name,
+            Objects::ResourceVersion,
+            Objects::Body,
+        ])
+        .from(Objects::Table)
+        .cond_where(any)
+        .to_owned()
+}
 
 /// One writer's place in the queue.
 pub(super) struct Request {
@@ -454,31 +483,8 @@ impl Store {
         let all: Vec<&OwnedTarget> = groups.iter().flat_map(|g| g.iter()).collect();
         let mut found: HashMap<(String, String, String), Current> = HashMap::new();
         for chunk in all.chunks(KEYS_PER_READ) {
-            let mut any = Condition::any();
-            for t in chunk {
-                any = any.add(
-                    Condition::all()
-                        .add(Expr::col(Objects::Resource).eq(t.key.as_str()))
-                        .add(Expr::col(Objects::Namespace).eq(t.namespace.as_str()))
-                        .add(Expr::col(Objects::Name).eq(t.name.as_str())),
-                );
-            }
             let rows = txn
-                .query_all(
-                    &Query::select()
-                        .columns([
-                            Objects::Id,
-                            Objects::Resource,
-                            Objects::Namespace,
-                            Objects::Name,
-                            Objects::ResourceVersion,
-                            Objects::Body,
-                        ])
-                        .from(Objects::Table)
-                        .and_where(Expr::col(Objects::ClusterId).eq(self.cluster_id()))
-                        .cond_where(any)
-                        .to_owned(),
-                )
+                .query_all(&current_rows_query(self.cluster_id(), chunk))
                 .await?;
             for row in rows {
                 let key: (String, String, String) = (
@@ -604,4 +610,55 @@ fn take_round(waiting: &mut VecDeque<Request>, max_writes: usize) -> Vec<Request
     left.extend(waiting.drain(..));
     *waiting = left;
     round
+}
+
+#[cfg(test)]
+mod tests {
+    use reports_server_crds::catalog::POLICY_REPORT;
+    use sea_orm::ConnectionTrait;
+
+    use super::*;
+    use crate::store::StoreOptions;
+
+    /// A round's current-row read must seek the unique key per target: a plan that scans
+    /// makes every write cost a pass over the whole store.
+    #[tokio::test]
+    async fn the_current_row_read_seeks_each_key_on_sqlite() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}?mode=rwc", dir.path().join("db").display());
+        let store = Store::connect(StoreOptions::new(url)).await.unwrap();
+        let targets: Vec<OwnedTarget> = (0..16)
+            .map(|i| OwnedTarget {
+                resource: &POLICY_REPORT,
+                key: Store::resource_key(&POLICY_REPORT),
+                namespace: format!("ns-{}", i % 5),
+                name: format!("report-{i}"),
+            })
+            .collect();
+        let chunk: Vec<&OwnedTarget> = targets.iter().collect();
+        let connection = store.connection();
+        let mut explain = connection
+            .get_database_backend()
+            .build(&current_rows_query(store.cluster_id(), &chunk));
+        explain.sql = format!("EXPLAIN QUERY PLAN {}", explain.sql);
+        let plan: Vec<String> = connection
+            .query_all_raw(explain)
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.try_get::<String>("", "detail").unwrap())
+            .collect();
+        let seeks = plan
+            .iter()
+            .filter(|step| {
+                step.contains("objects_key")
+                    && step.contains("cluster_id=? AND resource=? AND namespace=? AND name=?")
+            })
+            .count();
+        assert_eq!(seeks, 16, "one key seek per target: {plan:#?}");
+        assert!(
+            plan.iter().all(|step| !step.starts_with("SCAN")),
+            "{plan:#?}"
+        );
+    }
 }
