@@ -171,7 +171,7 @@ fn driver(args: &Args, target: &str, size: u64, json: &Path) -> Command {
         .args(["--watchers", &args.watchers])
         .args([
             "--phases",
-            "create,update,list,metadata-list,kubectl-get,watch-latency",
+            "create,update,list,raw-list,metadata-list,kubectl-get,watch-latency",
         ])
         .arg("--json")
         .arg(json)
@@ -388,10 +388,15 @@ fn add_disk_figure(json: &Path, disk: &Disk) -> Result<()> {
 }
 
 /// The figures the summary table compares, with whether a larger value is better.
-const COMPARED: [(&str, &str, bool); 14] = [
+const COMPARED: [(&str, &str, bool); 15] = [
     ("create_per_s", "create (reports/s)", true),
     ("update_per_s", "update (reports/s)", true),
     ("list_seconds", "paged list, limit=500 (s)", false),
+    (
+        "raw_list_seconds",
+        "paged list read as bytes, limit=500 (s)",
+        false,
+    ),
     (
         "metadata_list_seconds",
         "metadata-only paged list (s)",
