@@ -19,7 +19,7 @@ use serde_json::Value;
 use tokio::sync::Notify;
 
 use super::columns::labels_of;
-use super::ring::{Cursor, Occupancy, Ring};
+use super::ring::{Cursor, Ring};
 use super::schema::{Changes, Objects};
 use super::write::{BODY_IN_OBJECTS, object_row_of_change};
 use super::{Store, StoreError, parse_document};
@@ -286,11 +286,6 @@ impl ChangeFeed {
                 gate: Default::default(),
             }),
         }
-    }
-
-    /// Entries and bytes in the buffer now.
-    pub fn buffered(&self) -> Occupancy {
-        self.inner.buffer.occupancy()
     }
 
     pub(super) fn register(&self, registry: &mut Registry) {

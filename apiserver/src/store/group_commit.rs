@@ -615,7 +615,6 @@ fn take_round(waiting: &mut VecDeque<Request>, max_writes: usize) -> Vec<Request
 #[cfg(test)]
 mod tests {
     use reports_server_crds::catalog::POLICY_REPORT;
-    use sea_orm::ConnectionTrait;
 
     use super::*;
     use crate::store::StoreOptions;

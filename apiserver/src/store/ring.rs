@@ -61,12 +61,14 @@ impl<T> State<T> {
         self.first += 1;
     }
 
-    /// Drops the entries every live cursor has read.
-    fn drop_read(&mut self) {
+    /// Drops the entries every live cursor has read; whether there were any.
+    fn drop_read(&mut self) -> bool {
         let needed_from = self.cursors.keys().next().copied().unwrap_or(u64::MAX);
+        let before = self.first;
         while self.first < needed_from && !self.entries.is_empty() {
             self.pop_front();
         }
+        self.first != before
     }
 
     fn add_cursor(&mut self, at: u64) {
@@ -82,10 +84,11 @@ impl<T> State<T> {
         }
     }
 
-    fn move_cursor(&mut self, from: u64, to: u64) {
+    /// Moves a cursor; whether entries were dropped because of it.
+    fn move_cursor(&mut self, from: u64, to: u64) -> bool {
         self.remove_cursor(from);
         self.add_cursor(to);
-        self.drop_read();
+        self.drop_read()
     }
 }
 
@@ -101,8 +104,9 @@ impl<T> Ring<T> {
         Self::build(max_bytes, None)
     }
 
-    /// A ring that tells `observer` what it holds after every change (a push, a read that
-    /// frees entries, a cursor dropped).
+    /// A ring that tells `observer` what it holds after every change: a push, and a read or a
+    /// dropped cursor that frees entries (reads that free nothing, the common case on the
+    /// watchers' hot path, do not call it).
     pub fn observed(
         max_bytes: usize,
         observer: impl Fn(Occupancy) + Send + Sync + 'static,
@@ -198,14 +202,16 @@ impl<T> Cursor<T> {
         if at < state.first {
             let missed = state.first - at;
             self.next = state.first;
-            state.move_cursor(at, self.next);
-            ring.observe(&state);
+            if state.move_cursor(at, self.next) {
+                ring.observe(&state);
+            }
             return Some(Err(Lagged(missed)));
         }
         let entry = state.entries.get((at - state.first) as usize)?.0.clone();
         self.next += 1;
-        state.move_cursor(at, self.next);
-        ring.observe(&state);
+        if state.move_cursor(at, self.next) {
+            ring.observe(&state);
+        }
         Some(Ok(entry))
     }
 }
@@ -215,8 +221,9 @@ impl<T> Drop for Cursor<T> {
         // A poisoned lock means a panic elsewhere already; nothing to release then.
         if let Ok(mut state) = self.ring.state.lock() {
             state.remove_cursor(self.next);
-            state.drop_read();
-            self.ring.observe(&state);
+            if state.drop_read() {
+                self.ring.observe(&state);
+            }
         }
     }
 }
