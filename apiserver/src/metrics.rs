@@ -58,7 +58,7 @@ impl Metrics {
         );
         registry.register(
             "reports_server_apiserver_request_duration_seconds",
-            "API request latency (watches: until the response starts)",
+            "API request latency (watches and JSON object lists, which stream: until the response starts)",
             durations.clone(),
         );
         registry.register(

@@ -10,7 +10,7 @@ use super::negotiate::{Encoding, Negotiated, Representation, Target, negotiate};
 use super::request::Params;
 use super::status::ApiError;
 use super::table::{self, IncludeObject};
-use crate::registry::ListResult;
+use crate::registry::{ListPageStream, ListResult};
 use crate::store::{ListRow, parse_document_public};
 
 /// The representation and encoding the `Accept` header asks for.
@@ -129,6 +129,71 @@ pub fn table_source(resource: &ResourceDescriptor, row: &ListRow) -> Result<Valu
     })
 }
 
+/// An object list in JSON goes out in chunks of about this size while the page is still being
+/// read: big enough that the cost of a chunk (a frame, a write) is small against its bytes,
+/// small enough that the first bytes leave after a few rows.
+const LIST_CHUNK_BYTES: usize = 64 * 1024;
+
+/// A page of whole objects in JSON, sent as the store reads it: the stored bodies are spliced
+/// in without decoding, and the page is never assembled in memory. The first row is read
+/// before the status line goes out, so a read that fails at once still gets its `Status`; a
+/// read that fails later can only cut the response short (the client sees a broken body,
+/// never a short list that looks complete), logged once here.
+pub async fn streamed_list_response(
+    resource: &'static ResourceDescriptor,
+    mut page: ListPageStream,
+) -> Result<Response, ApiError> {
+    let first = page.next_row().await.transpose()?;
+    let span = tracing::Span::current();
+    let body = async_stream::stream! {
+        let mut chunk = Vec::with_capacity(LIST_CHUNK_BYTES * 2);
+        chunk.extend_from_slice(b"{\"apiVersion\":\"");
+        chunk.extend_from_slice(resource.api_version().as_bytes());
+        chunk.extend_from_slice(b"\",\"items\":[");
+        let mut next = first;
+        let mut separator = false;
+        while let Some(row) = next {
+            if separator {
+                chunk.push(b',');
+            }
+            separator = true;
+            chunk.extend_from_slice(row.body.as_bytes());
+            if chunk.len() >= LIST_CHUNK_BYTES {
+                let full = std::mem::replace(&mut chunk, Vec::with_capacity(LIST_CHUNK_BYTES * 2));
+                yield Ok(bytes::Bytes::from(full));
+            }
+            next = match page.next_row().await {
+                Some(Ok(row)) => Some(row),
+                None => None,
+                Some(Err(e)) => {
+                    span.in_scope(|| {
+                        tracing::error!(
+                            cause = %e,
+                            "a list failed after its response began; the response is cut short"
+                        )
+                    });
+                    yield Err(std::io::Error::other(e.to_string()));
+                    return;
+                }
+            };
+        }
+        let mut metadata = json!({"resourceVersion": page.resource_version().to_string()});
+        if let Some(c) = page.continue_token() {
+            metadata["continue"] = json!(c);
+        }
+        chunk.extend_from_slice(
+            format!("],\"kind\":\"{}\",\"metadata\":{}}}", resource.list_kind, metadata).as_bytes(),
+        );
+        yield Ok(bytes::Bytes::from(chunk));
+    };
+    let mut response = axum::body::Body::from_stream(body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Ok(response)
+}
+
 /// A list page in the negotiated representation.
 pub fn list_response(
     resource: &'static ResourceDescriptor,
@@ -142,32 +207,6 @@ pub fn list_response(
         metadata["continue"] = json!(c);
     }
     match n.representation {
-        Representation::Object | Representation::Discovery(_) if n.encoding == Encoding::Json => {
-            // Fast path: stored bodies are spliced in without decoding.
-            let mut out = String::with_capacity(
-                page.rows.iter().map(|r| r.body.len() + 1).sum::<usize>() + 256,
-            );
-            out.push_str(&format!(
-                "{{\"apiVersion\":\"{}\",\"items\":[",
-                resource.api_version()
-            ));
-            for (i, row) in page.rows.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                out.push_str(&row.body);
-            }
-            out.push_str(&format!(
-                "],\"kind\":\"{}\",\"metadata\":{}}}",
-                resource.list_kind, metadata
-            ));
-            let mut response = (StatusCode::OK, out).into_response();
-            response.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            Ok(response)
-        }
         Representation::Object | Representation::Discovery(_) => {
             let items = page
                 .rows

@@ -8,9 +8,10 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use super::AppState;
-use super::negotiate::{Negotiated, Representation, Target};
+use super::negotiate::{Encoding, Negotiated, Representation, Target};
 use super::render::{
-    accept, deleted_list_response, include_object, list_response, object_response, with_warnings,
+    accept, deleted_list_response, include_object, list_response, object_response,
+    streamed_list_response, with_warnings,
 };
 use super::request::{Params, decode_body, decode_body_noting_duplicates};
 use super::status::ApiError;
@@ -56,9 +57,14 @@ pub async fn list(
     ) && include != IncludeObject::Object;
     let page = state
         .registry
-        .list(r, &params.list_options(), metadata_only)
+        .list_stream(r, &params.list_options(), metadata_only)
         .await?;
-    list_response(r.resource, n, include, &page)
+    match n.representation {
+        Representation::Object | Representation::Discovery(_) if n.encoding == Encoding::Json => {
+            streamed_list_response(r.resource, page).await
+        }
+        _ => list_response(r.resource, n, include, &page.collect().await?),
+    }
 }
 
 fn content_type(headers: &HeaderMap) -> Option<&str> {

@@ -6,7 +6,7 @@
 
 use crate::continuation::{ContinueToken, TokenError, query_fingerprint};
 use crate::selector::{FieldSelector, LabelSelector};
-use crate::store::{ListQuery, ListRow, Store};
+use crate::store::{ListQuery, ListRow, ListStream, Store};
 
 use super::{RegistryError, ResourceRef};
 
@@ -29,6 +29,65 @@ pub struct ListResult {
     pub resource_version: i64,
     /// The token of the next page, when there is one.
     pub continue_token: Option<String>,
+}
+
+/// One page of a list, row by row as the store reads it (a response can go out while the page
+/// is still being read); the continue token is known once the rows are.
+pub struct ListPageStream {
+    rows: ListStream,
+    /// The list's resourceVersion: the snapshot of its first page.
+    resource_version: i64,
+    fingerprint: String,
+    /// The key of the last row handed out: where the next page starts.
+    last: Option<(String, String)>,
+}
+
+impl ListPageStream {
+    pub(super) fn new(rows: ListStream, resource_version: i64, fingerprint: String) -> Self {
+        ListPageStream {
+            rows,
+            resource_version,
+            fingerprint,
+            last: None,
+        }
+    }
+
+    pub fn resource_version(&self) -> i64 {
+        self.resource_version
+    }
+
+    /// The next row; `None` once the page is complete. An error ends the page.
+    pub async fn next_row(&mut self) -> Option<Result<ListRow, RegistryError>> {
+        let row = self.rows.next_row().await?;
+        if let Ok(row) = &row {
+            self.last = Some((row.namespace.clone(), row.name.clone()));
+        }
+        Some(row.map_err(RegistryError::from))
+    }
+
+    /// The token of the next page, when there is one; meaningful once
+    /// [`ListPageStream::next_row`] returned `None`.
+    pub fn continue_token(&self) -> Option<String> {
+        next_token(
+            self.rows.more(),
+            self.last.as_ref(),
+            self.resource_version,
+            &self.fingerprint,
+        )
+    }
+
+    /// The whole page in memory.
+    pub async fn collect(mut self) -> Result<ListResult, RegistryError> {
+        let mut rows = Vec::new();
+        while let Some(row) = self.next_row().await {
+            rows.push(row?);
+        }
+        Ok(ListResult {
+            continue_token: self.continue_token(),
+            rows,
+            resource_version: self.resource_version,
+        })
+    }
 }
 
 /// The store query of a list, its fingerprint (what a continue token is bound to) and the
@@ -97,20 +156,21 @@ pub fn check_list_version(
     Ok(())
 }
 
-/// The continue token of the page after `rows`, when the store said there are more.
-pub fn next_token(
+/// The continue token of the page ending at `last` (namespace, name), when the store said
+/// there are more.
+fn next_token(
     more: bool,
-    rows: &[ListRow],
+    last: Option<&(String, String)>,
     list_rv: i64,
-    fingerprint: String,
+    fingerprint: &str,
 ) -> Option<String> {
-    match (more, rows.last()) {
-        (true, Some(last)) => Some(
+    match (more, last) {
+        (true, Some((namespace, name))) => Some(
             ContinueToken {
                 resource_version: list_rv,
-                namespace: last.namespace.clone(),
-                name: last.name.clone(),
-                query: fingerprint,
+                namespace: namespace.clone(),
+                name: name.clone(),
+                query: fingerprint.to_owned(),
             }
             .encode(),
         ),

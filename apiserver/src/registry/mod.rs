@@ -24,7 +24,7 @@ pub mod rules;
 use reports_server_crds::ResourceDescriptor;
 
 pub use error::{Cause, RegistryError};
-pub use list::{ListOptions, ListResult};
+pub use list::{ListOptions, ListPageStream, ListResult};
 pub use operations::{Imported, Patch, Registry, WriteOptions, Written, same_content};
 pub use rules::{
     DeletePreconditions, FieldValidation, INTERNAL_MANAGER, Validation, decide_apply,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::list::{check_list_version, list_query, next_token};
+use super::list::{ListPageStream, check_list_version, list_query};
 use super::rules::{
     DeletePreconditions, Validation, decide_apply, decide_delete, decide_update_as,
     prepare_create_as,
@@ -151,20 +151,28 @@ impl Registry {
         options: &ListOptions,
         metadata_only: bool,
     ) -> Result<ListResult, RegistryError> {
+        self.list_stream(r, options, metadata_only)
+            .await?
+            .collect()
+            .await
+    }
+
+    /// [`Registry::list`], row by row. The request's `resourceVersion` is checked against the
+    /// page's own snapshot before any row is read.
+    pub async fn list_stream(
+        &self,
+        r: &ResourceRef,
+        options: &ListOptions,
+        metadata_only: bool,
+    ) -> Result<ListPageStream, RegistryError> {
         let (query, fingerprint, token) = list_query(r, options, metadata_only)?;
-        let (current, compacted) = self.store.versions().await?;
-        check_list_version(options, current, compacted)?;
-        let page = self.store.list(&query).await?;
+        let rows = self.store.list_stream(&query).await?;
+        check_list_version(options, rows.resource_version(), rows.compacted())?;
         let resource_version = match &token {
             Some(t) => t.resource_version,
-            None => page.resource_version,
+            None => rows.resource_version(),
         };
-        let continue_token = next_token(page.more, &page.rows, resource_version, fingerprint);
-        Ok(ListResult {
-            rows: page.rows,
-            resource_version,
-            continue_token,
-        })
+        Ok(ListPageStream::new(rows, resource_version, fingerprint))
     }
 
     pub async fn create(

@@ -635,18 +635,11 @@ mod tests {
             })
             .collect();
         let chunk: Vec<&OwnedTarget> = targets.iter().collect();
-        let connection = store.connection();
-        let mut explain = connection
-            .get_database_backend()
-            .build(&current_rows_query(store.cluster_id(), &chunk));
-        explain.sql = format!("EXPLAIN QUERY PLAN {}", explain.sql);
-        let plan: Vec<String> = connection
-            .query_all_raw(explain)
-            .await
-            .unwrap()
-            .iter()
-            .map(|row| row.try_get::<String>("", "detail").unwrap())
-            .collect();
+        let plan = crate::store::sqlite_query_plan(
+            &store,
+            &current_rows_query(store.cluster_id(), &chunk),
+        )
+        .await;
         let seeks = plan
             .iter()
             .filter(|step| {

@@ -39,7 +39,7 @@ use serde_json::Value;
 
 pub use feed::{Change, ChangeFeed, EventType};
 pub use migration::m20261123_000003_nonzero_resource_version::FIRST_RESOURCE_VERSION;
-pub use read::{ListPage, ListQuery, ListRow};
+pub use read::{ListPage, ListQuery, ListRow, ListStream};
 pub use write::{Mutation, WriteOutcome};
 
 /// The addressing of one object in a batch write.
@@ -574,6 +574,28 @@ pub fn parse_document_public(what: &str, text: &str) -> Result<Value, StoreError
 /// Reads a JSON document column.
 pub(crate) fn parse_document(what: &str, text: &str) -> Result<Value, StoreError> {
     serde_json::from_str(text).map_err(|e| StoreError::Corrupt(what.to_owned(), e.to_string()))
+}
+
+/// SQLite's plan for a statement, one step per line (`EXPLAIN QUERY PLAN`'s `detail`): tests
+/// pin the index a hot query seeks with.
+#[cfg(test)]
+pub(crate) async fn sqlite_query_plan(
+    store: &Store,
+    statement: &impl sea_orm::StatementBuilder,
+) -> Vec<String> {
+    let connection = store.connection();
+    let mut explain = connection.get_database_backend().build(statement);
+    explain.sql = format!("EXPLAIN QUERY PLAN {}", explain.sql);
+    connection
+        .query_all_raw(explain)
+        .await
+        .expect("EXPLAIN QUERY PLAN")
+        .iter()
+        .map(|row| {
+            row.try_get::<String>("", "detail")
+                .expect("a detail column")
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -1,12 +1,19 @@
 //! Reads: get, list (label and field selectors and keyset pagination in SQL) and versions.
+//!
+//! A list page is read as a stream: a task owns the read transaction and hands each row over as
+//! the database delivers it, so a response can go out while the page is still being read, and
+//! the connection returns to the pool at the database's pace, not at a slow client's.
 
+use futures::StreamExt;
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{Alias, Cond, Expr, ExprTrait, Order, Query, SelectStatement};
 use sea_orm::{
-    AccessMode, ConnectionTrait, DbBackend, IsolationLevel, QueryResult, Statement,
-    TransactionTrait,
+    AccessMode, ConnectionTrait, DatabaseTransaction, DbBackend, IsolationLevel, QueryResult,
+    Statement, StreamTrait, TransactionTrait,
 };
 use serde_json::Value;
+use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use super::body::BodyCodec;
 use super::schema::{ObjectLabels, Objects, StoreState};
@@ -14,13 +21,16 @@ use super::{Store, StoreError, parse_document};
 use crate::selector::{Field, FieldSelector, LabelSelector, Requirement};
 
 /// One object as a list returns it: the body stays a string unless the caller needs it.
-#[derive(Clone, Debug)]
+///
+/// A list reads either the body (object lists) or what metadata-only and Table responses
+/// render (`metadata`, the summary, the scope); the fields of the other kind stay empty.
+#[derive(Clone, Debug, Default)]
 pub struct ListRow {
     pub id: i64,
     pub namespace: String,
     pub name: String,
     pub resource_version: i64,
-    /// `metadata` as JSON text.
+    /// `metadata` as JSON text; empty unless the query asked for metadata only.
     pub metadata: String,
     /// The whole object as JSON text; empty when the query asked for metadata only.
     pub body: String,
@@ -70,6 +80,100 @@ pub struct ListPage {
     pub more: bool,
 }
 
+/// What the reading task hands over.
+enum Delivery {
+    Row(ListRow),
+    /// Every row of the page was delivered.
+    End,
+    Failed(StoreError),
+}
+
+/// A page's read, handed to the task that performs it.
+struct Read {
+    txn: DatabaseTransaction,
+    statement: SelectStatement,
+    bodies: Option<BodyCodec>,
+    deliver: mpsc::UnboundedSender<Delivery>,
+}
+
+/// A list page as the database delivers it (see [`Store::list_stream`]).
+pub struct ListStream {
+    resource_version: i64,
+    compacted: i64,
+    /// The read, until the first [`ListStream::next_row`] starts it: a caller that rejects
+    /// the request on the snapshot's versions reads no rows.
+    unstarted: Option<Read>,
+    deliveries: mpsc::UnboundedReceiver<Delivery>,
+    limit: Option<u64>,
+    delivered: u64,
+    more: bool,
+    finished: bool,
+}
+
+impl ListStream {
+    /// The resourceVersion the page is consistent with.
+    pub fn resource_version(&self) -> i64 {
+        self.resource_version
+    }
+
+    /// The watch horizon in the same snapshot.
+    pub fn compacted(&self) -> i64 {
+        self.compacted
+    }
+
+    /// The next row of the page; `None` once the page is complete. An error ends the page.
+    pub async fn next_row(&mut self) -> Option<Result<ListRow, StoreError>> {
+        if self.finished {
+            return None;
+        }
+        if let Some(read) = self.unstarted.take() {
+            tokio::spawn(read_rows(read).instrument(tracing::debug_span!("list_read")));
+        }
+        let delivery = self.deliveries.recv().await;
+        let (next, finished) = match delivery {
+            // The query asks for one row past the limit to learn whether another page follows.
+            Some(Delivery::Row(_)) if self.limit == Some(self.delivered) => {
+                self.more = true;
+                (None, true)
+            }
+            Some(Delivery::Row(row)) => {
+                self.delivered += 1;
+                (Some(Ok(row)), false)
+            }
+            Some(Delivery::End) => (None, true),
+            Some(Delivery::Failed(e)) => (Some(Err(e)), true),
+            // Only a panic in the reading task closes the channel without a last word; a page
+            // that silently came up short would look complete to the client.
+            None => (
+                Some(Err(StoreError::Inconsistent(
+                    "the list's read stopped before the end of the page".into(),
+                ))),
+                true,
+            ),
+        };
+        self.finished = finished;
+        next
+    }
+
+    /// Whether another page follows; known once [`ListStream::next_row`] returned `None`.
+    pub fn more(&self) -> bool {
+        self.more
+    }
+
+    /// The whole page in memory.
+    pub async fn collect(mut self) -> Result<ListPage, StoreError> {
+        let mut rows = Vec::new();
+        while let Some(row) = self.next_row().await {
+            rows.push(row?);
+        }
+        Ok(ListPage {
+            rows,
+            resource_version: self.resource_version,
+            more: self.more,
+        })
+    }
+}
+
 pub(super) async fn versions(
     db: &impl ConnectionTrait,
     backend: DbBackend,
@@ -95,44 +199,90 @@ pub(super) fn no_state_row(cluster_id: &str, backend: DbBackend) -> StoreError {
     ))
 }
 
-const LIST_COLUMNS: [Objects; 10] = [
+/// Every list reads these.
+const KEY_COLUMNS: [Objects; 4] = [
     Objects::Id,
     Objects::Namespace,
     Objects::Name,
     Objects::ResourceVersion,
+];
+
+/// What metadata-only and Table lists render instead of the body.
+const METADATA_COLUMNS: [Objects; 8] = [
     Objects::Metadata,
     Objects::SummaryPass,
     Objects::SummaryFail,
     Objects::SummaryWarn,
     Objects::SummaryError,
     Objects::SummarySkip,
+    Objects::ScopeKind,
+    Objects::ScopeName,
 ];
 
-/// A row of [`Store::select_objects`]; `bodies` decodes the body when it was selected.
+/// A row of [`Store::select_objects`]: the body, decoded with `bodies`, when there is one;
+/// the metadata columns otherwise.
 fn row_of(row: &QueryResult, bodies: Option<BodyCodec>) -> Result<ListRow, StoreError> {
     let namespace: String = row.try_get("", "namespace")?;
     let name: String = row.try_get("", "name")?;
-    let body = match bodies {
-        Some(codec) => codec.decode_required(row, "body", || format!("{namespace}/{name}"))?,
-        None => String::new(),
-    };
-    Ok(ListRow {
+    let key = ListRow {
         id: row.try_get("", "id")?,
-        namespace,
-        name,
         resource_version: row.try_get("", "resource_version")?,
-        metadata: row.try_get("", "metadata")?,
-        body,
-        summary: [
-            row.try_get("", "summary_pass")?,
-            row.try_get("", "summary_fail")?,
-            row.try_get("", "summary_warn")?,
-            row.try_get("", "summary_error")?,
-            row.try_get("", "summary_skip")?,
-        ],
-        scope_kind: row.try_get("", "scope_kind")?,
-        scope_name: row.try_get("", "scope_name")?,
+        ..ListRow::default()
+    };
+    Ok(match bodies {
+        Some(codec) => ListRow {
+            body: codec.decode_required(row, "body", || format!("{namespace}/{name}"))?,
+            namespace,
+            name,
+            ..key
+        },
+        None => ListRow {
+            namespace,
+            name,
+            metadata: row.try_get("", "metadata")?,
+            summary: [
+                row.try_get("", "summary_pass")?,
+                row.try_get("", "summary_fail")?,
+                row.try_get("", "summary_warn")?,
+                row.try_get("", "summary_error")?,
+                row.try_get("", "summary_skip")?,
+            ],
+            scope_kind: row.try_get("", "scope_kind")?,
+            scope_name: row.try_get("", "scope_name")?,
+            ..key
+        },
     })
+}
+
+/// Reads the rows into `deliver`, then a last [`Delivery`]. Stops early when the reader is
+/// gone.
+async fn read_rows(
+    Read {
+        txn,
+        statement,
+        bodies,
+        deliver,
+    }: Read,
+) {
+    let outcome: Result<(), StoreError> = async {
+        let mut rows = txn.stream(&statement).await?;
+        while let Some(row) = rows.next().await {
+            if deliver.send(Delivery::Row(row_of(&row?, bodies)?)).is_err() {
+                break;
+            }
+        }
+        Ok(())
+    }
+    .await;
+    let failed = outcome.is_err();
+    let _ = deliver.send(match outcome {
+        Ok(()) => Delivery::End,
+        Err(e) => Delivery::Failed(e),
+    });
+    // Read-only: the rows are valid whatever the commit says; a failed read rolls back on drop.
+    if !failed && let Err(e) = txn.commit().await {
+        tracing::warn!(error = %e, "ending a list's read transaction failed");
+    }
 }
 
 fn label_condition(req: &Requirement) -> Cond {
@@ -163,9 +313,7 @@ fn label_condition(req: &Requirement) -> Cond {
 impl Store {
     fn select_objects(&self, desc: &ResourceDescriptor, with_body: bool) -> SelectStatement {
         let mut q = Query::select();
-        q.columns(LIST_COLUMNS.map(|c| (Objects::Table, c)))
-            .column((Objects::Table, Objects::ScopeKind))
-            .column((Objects::Table, Objects::ScopeName))
+        q.columns(KEY_COLUMNS.map(|c| (Objects::Table, c)))
             .from(Objects::Table)
             .and_where(Expr::col((Objects::Table, Objects::ClusterId)).eq(self.cluster_id()))
             .and_where(
@@ -173,6 +321,8 @@ impl Store {
             );
         if with_body {
             q.column((Objects::Table, Objects::Body));
+        } else {
+            q.columns(METADATA_COLUMNS.map(|c| (Objects::Table, c)));
         }
         q
     }
@@ -234,13 +384,17 @@ impl Store {
             q.cond_where(label_condition(req));
         }
         if let Some((ns, name)) = &query.after {
-            q.cond_where(
-                Cond::any().add(ns_col.clone().gt(ns.as_str())).add(
-                    Cond::all()
-                        .add(ns_col.clone().eq(ns.as_str()))
-                        .add(name_col.clone().gt(name.as_str())),
-                ),
-            );
+            // The row value is the seek PostgreSQL and SQLite start the index range at; the
+            // equivalent `ns > ? OR (ns = ? AND name > ?)` made PostgreSQL walk the index from
+            // the first row and filter, so page k cost k pages. `ns >= ?` is implied by it and
+            // gives MySQL, which does not seek on row values, a range to start at.
+            q.and_where(
+                Expr::tuple([ns_col.clone(), name_col.clone()]).gt(Expr::tuple([
+                    Expr::val(ns.as_str()),
+                    Expr::val(name.as_str()),
+                ])),
+            )
+            .and_where(ns_col.clone().gte(ns.as_str()));
         }
         q.order_by((Objects::Table, Objects::Namespace), Order::Asc)
             .order_by((Objects::Table, Objects::Name), Order::Asc);
@@ -252,6 +406,15 @@ impl Store {
 
     /// Lists one page. The page and its resourceVersion come from one read snapshot.
     pub async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.list_stream(query).await?.collect().await
+    }
+
+    /// [`Store::list`], row by row as the database delivers them. The snapshot's versions are
+    /// read before this returns; from the first [`ListStream::next_row`] on, a task reads the
+    /// rows into an unbounded channel (a page is bounded by its limit, as a page held in
+    /// memory always was), so the connection is back in the pool as soon as the database has
+    /// sent the page, however slowly the caller consumes it.
+    pub async fn list_stream(&self, query: &ListQuery) -> Result<ListStream, StoreError> {
         let txn = match self.backend() {
             DbBackend::Postgres | DbBackend::MySql => {
                 self.connection()
@@ -263,21 +426,25 @@ impl Store {
             }
             _ => self.connection().begin().await?,
         };
-        let (resource_version, _) = versions(&txn, self.backend(), self.cluster_id()).await?;
-        let rows = txn.query_all(&self.list_statement(query)).await?;
-        txn.commit().await?;
-        let mut rows = rows
-            .iter()
-            .map(|r| row_of(r, (!query.metadata_only).then(|| self.bodies())))
-            .collect::<Result<Vec<_>, _>>()?;
-        let more = query.limit.is_some_and(|l| rows.len() as u64 > l);
-        if more {
-            rows.pop();
-        }
-        Ok(ListPage {
-            rows,
+        let (resource_version, compacted) =
+            versions(&txn, self.backend(), self.cluster_id()).await?;
+        let statement = self.list_statement(query);
+        let bodies = (!query.metadata_only).then(|| self.bodies());
+        let (deliver, deliveries) = mpsc::unbounded_channel();
+        Ok(ListStream {
             resource_version,
-            more,
+            compacted,
+            unstarted: Some(Read {
+                txn,
+                statement,
+                bodies,
+                deliver,
+            }),
+            deliveries,
+            limit: query.limit,
+            delivered: 0,
+            more: false,
+            finished: false,
         })
     }
 
@@ -303,5 +470,130 @@ impl Store {
             .connection()
             .query_all_raw(Statement::from_string(self.backend(), sql))
             .await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use reports_server_crds::catalog::POLICY_REPORT;
+    use serde_json::json;
+
+    use super::*;
+    use crate::store::StoreOptions;
+
+    /// An SQLite store of one connection holding `names` in namespace `ns`.
+    async fn one_connection_store(dir: &tempfile::TempDir, names: &[&str]) -> Store {
+        let url = format!("sqlite://{}?mode=rwc", dir.path().join("db").display());
+        let store = Store::connect(StoreOptions {
+            max_connections: 1,
+            connect_timeout: Duration::from_secs(2),
+            ..StoreOptions::new(url)
+        })
+        .await
+        .unwrap();
+        let objects = names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                json!({"apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
+                    "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{i}"),
+                        "resourceVersion": "1", "creationTimestamp": "2026-11-26T00:00:00Z"}})
+            })
+            .collect();
+        store.put_all(&POLICY_REPORT, objects).await.unwrap();
+        store
+    }
+
+    fn first_two(after: Option<(String, String)>) -> ListQuery {
+        ListQuery {
+            limit: Some(2),
+            after,
+            ..ListQuery::all(&POLICY_REPORT)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_page_is_read_off_the_database_before_its_reader_has_consumed_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = one_connection_store(&dir, &["a", "b", "c"]).await;
+        let mut page = store.list_stream(&first_two(None)).await.unwrap();
+        let first = page.next_row().await.unwrap().unwrap();
+        // The only connection is free again while the page is half consumed.
+        let count = tokio::time::timeout(Duration::from_secs(5), store.count(&POLICY_REPORT))
+            .await
+            .expect("the list released its connection")
+            .unwrap();
+        assert_eq!(count, 3);
+        let second = page.next_row().await.unwrap().unwrap();
+        assert!(page.next_row().await.is_none());
+        assert!(page.more(), "a third row follows the limit of two");
+        assert_eq!((first.name.as_str(), second.name.as_str()), ("a", "b"));
+        assert!(first.body.contains("\"name\":\"a\""), "{}", first.body);
+        assert!(first.metadata.is_empty(), "object lists read no metadata");
+
+        let rest = store
+            .list(&first_two(Some(("ns".into(), "b".into()))))
+            .await
+            .unwrap();
+        let names: Vec<&str> = rest.rows.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!((names, rest.more), (vec!["c"], false));
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_goes_away_ends_the_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = one_connection_store(&dir, &["a", "b", "c"]).await;
+        for read_first in [false, true] {
+            let mut page = store
+                .list_stream(&ListQuery::all(&POLICY_REPORT))
+                .await
+                .unwrap();
+            if read_first {
+                page.next_row().await.unwrap().unwrap();
+            }
+            drop(page);
+            let count = tokio::time::timeout(Duration::from_secs(5), store.count(&POLICY_REPORT))
+                .await
+                .expect("the abandoned list released its connection")
+                .unwrap();
+            assert_eq!(count, 3);
+        }
+    }
+
+    #[tokio::test]
+    async fn metadata_lists_read_no_bodies() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = one_connection_store(&dir, &["a"]).await;
+        let page = store
+            .list(&ListQuery {
+                metadata_only: true,
+                ..ListQuery::all(&POLICY_REPORT)
+            })
+            .await
+            .unwrap();
+        let row = &page.rows[0];
+        assert!(row.body.is_empty());
+        assert!(row.metadata.contains("\"name\":\"a\""), "{}", row.metadata);
+    }
+
+    /// The next page starts where the index says, not after a walk from the first row.
+    #[tokio::test]
+    async fn a_later_page_seeks_to_its_first_row_on_sqlite() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = one_connection_store(&dir, &[]).await;
+        let statement = store.list_statement(&first_two(Some(("ns".into(), "b".into()))));
+        let plan = crate::store::sqlite_query_plan(&store, &statement).await;
+        assert!(
+            plan.iter().any(|step| step.starts_with("SEARCH")
+                && step.contains("objects_key")
+                && step.contains("(namespace,name)>(?,?)")),
+            "{plan:#?}"
+        );
+        assert!(
+            plan.iter().all(|step| !step.contains("TEMP B-TREE")),
+            "rows come in index order, unsorted: {plan:#?}"
+        );
     }
 }
