@@ -250,6 +250,9 @@ struct FeedInner {
     wake: Notify,
     /// Highest resourceVersion broadcast so far.
     delivered: AtomicI64,
+    /// Highest resourceVersion this process has committed or is committing in a group commit
+    /// round, whose leader publishes it (or wakes the feed when it cannot).
+    committing: AtomicI64,
     /// Held while broadcasting and while a watcher subscribes, so a watcher knows exactly which
     /// entries it will receive live and which it must read from the log.
     gate: tokio::sync::Mutex<()>,
@@ -283,6 +286,7 @@ impl ChangeFeed {
                 buffered_changes,
                 wake: Notify::new(),
                 delivered: AtomicI64::new(0),
+                committing: AtomicI64::new(0),
                 gate: Default::default(),
             }),
         }
@@ -340,6 +344,27 @@ impl ChangeFeed {
             .store(change.resource_version, Ordering::SeqCst);
         let bytes = change.buffered_bytes();
         self.inner.buffer.push(Arc::new(change), bytes);
+    }
+
+    /// A group commit round of this process is about to commit up to `rv`; its leader
+    /// publishes the changes after the commit, or wakes the feed when it cannot.
+    pub(super) fn committing(&self, rv: i64) {
+        self.inner.committing.fetch_max(rv, Ordering::SeqCst);
+    }
+
+    /// Whether a commit notification (its payload is the committed round's last
+    /// resourceVersion) may announce changes nobody here will publish. This process's own
+    /// rounds are published by their leaders, often just after their notification arrives;
+    /// reading the change log for each of them cost PostgreSQL an empty `SELECT` per round.
+    /// A payload that is not a version wakes the feed, as does any version past both marks.
+    /// A skipped notification from another replica loses nothing: a round of ours publishes
+    /// only right after what is delivered, and wakes the feed otherwise.
+    fn announces_news(&self, payload: &str) -> bool {
+        let known = std::cmp::max(
+            self.delivered(),
+            self.inner.committing.load(Ordering::SeqCst),
+        );
+        payload.parse::<i64>().map_or(true, |rv| rv > known)
     }
 
     /// Highest resourceVersion broadcast so far.
@@ -495,6 +520,7 @@ fn spawn_pg_listener(store: Store, feed: ChangeFeed) {
                         feed.wake();
                         loop {
                             match listener.recv().await {
+                                Ok(note) if !feed.announces_news(note.payload()) => {}
                                 Ok(_) => feed.wake(),
                                 Err(e) => {
                                     tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
@@ -511,4 +537,28 @@ fn spawn_pg_listener(store: Store, feed: ChangeFeed) {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_notification_ahead_of_the_feed_wakes_it() {
+        let feed = ChangeFeed::default();
+        feed.inner.delivered.store(10, Ordering::SeqCst);
+        assert!(!feed.announces_news("9"));
+        assert!(
+            !feed.announces_news("10"),
+            "this process published it already"
+        );
+        assert!(feed.announces_news("11"), "another replica's commit");
+        assert!(feed.announces_news(""), "not a version: look anyway");
+        feed.committing(12);
+        assert!(
+            !feed.announces_news("12"),
+            "this process's round publishes it"
+        );
+        assert!(feed.announces_news("13"));
+    }
 }

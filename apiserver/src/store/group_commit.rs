@@ -357,13 +357,18 @@ impl Store {
                 return Err(RoundError::Statement(e));
             }
         };
-        let applied = match self.apply_all(&txn, base_rv, accepted, &rules).await {
+        let (applied, last_rv) = match self.apply_all(&txn, base_rv, accepted, &rules).await {
             Ok(applied) => applied,
             Err(e) => {
                 txn.rollback().await.ok();
                 return Err(RoundError::Statement(e));
             }
         };
+        if last_rv != base_rv {
+            // Published below (or the feed woken when it cannot be): the commit's own
+            // notification need not send the feed to the change log.
+            self.feed().committing(last_rv);
+        }
         txn.commit()
             .await
             .map_err(|e| RoundError::Commit(e.into()))?;
@@ -397,7 +402,7 @@ impl Store {
         base_rv: i64,
         accepted: &mut [Accepted],
         rules: &RoundRules,
-    ) -> Result<Vec<Vec<Applied>>, StoreError> {
+    ) -> Result<(Vec<Vec<Applied>>, i64), StoreError> {
         let now = super::write::now_unix();
         let mut rv = base_rv;
         let mut all = Vec::with_capacity(accepted.len());
@@ -440,7 +445,7 @@ impl Store {
         if rv != base_rv {
             self.advance_counter(txn, rv).await?;
         }
-        Ok(all)
+        Ok((all, rv))
     }
 
     /// After a failed round: the writer's decided mutations in a transaction of their own, if
