@@ -284,3 +284,73 @@ pub fn deleted_list_response(
         &json!({"apiVersion": resource.api_version(), "items": items, "kind": resource.list_kind, "metadata": {"resourceVersion": resource_version.to_string()}}),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use reports_server_crds::catalog::POLICY_REPORT;
+
+    use super::*;
+    use crate::store::{ListRow, ListStream, StoreError};
+
+    fn page(names: &[&str], failure: Option<StoreError>) -> ListPageStream {
+        let rows = names
+            .iter()
+            .map(|name| ListRow {
+                namespace: "ns".into(),
+                name: (*name).into(),
+                body: json!({"metadata": {"name": name}}).to_string(),
+                ..ListRow::default()
+            })
+            .collect();
+        ListPageStream::new(ListStream::scripted(rows, failure), 7, "query".into())
+    }
+
+    async fn body(response: Response) -> Result<bytes::Bytes, axum::Error> {
+        axum::body::to_bytes(response.into_body(), usize::MAX).await
+    }
+
+    #[tokio::test]
+    async fn a_streamed_page_is_the_list_it_would_have_been() {
+        for names in [&[][..], &["a"][..], &["a", "b", "c"][..]] {
+            let response = streamed_list_response(&POLICY_REPORT, page(names, None))
+                .await
+                .unwrap();
+            assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
+            let list: Value = serde_json::from_slice(&body(response).await.unwrap()).unwrap();
+            let listed: Vec<&str> = list["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|item| item["metadata"]["name"].as_str().unwrap())
+                .collect();
+            assert_eq!(listed, names);
+            assert_eq!(list["kind"], "PolicyReportList");
+            assert_eq!(list["apiVersion"], "wgpolicyk8s.io/v1alpha2");
+            assert_eq!(list["metadata"], json!({"resourceVersion": "7"}));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_page_that_fails_at_once_is_an_error_status() {
+        let failure = StoreError::Inconsistent("the database went away".into());
+        let error = streamed_list_response(&POLICY_REPORT, page(&[], Some(failure)))
+            .await
+            .unwrap_err();
+        assert_eq!(error.code, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+
+    /// After the status line, a failure can only break the body: never a shorter list that
+    /// parses as complete.
+    #[tokio::test]
+    async fn a_page_that_fails_midway_breaks_the_body() {
+        // More than a chunk before the failure, so some bytes were already sent.
+        let names: Vec<String> = (0..3000).map(|i| format!("report-{i:04}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let failure = StoreError::Inconsistent("the database went away".into());
+        let response = streamed_list_response(&POLICY_REPORT, page(&names, Some(failure)))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(body(response).await.is_err());
+    }
+}

@@ -43,7 +43,7 @@ pub struct ListPageStream {
 }
 
 impl ListPageStream {
-    pub(super) fn new(rows: ListStream, resource_version: i64, fingerprint: String) -> Self {
+    pub(crate) fn new(rows: ListStream, resource_version: i64, fingerprint: String) -> Self {
         ListPageStream {
             rows,
             resource_version,

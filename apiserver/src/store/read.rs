@@ -160,6 +160,28 @@ impl ListStream {
         self.more
     }
 
+    /// A page that delivers `rows`, then `failure` (or its end when there is none), at
+    /// resourceVersion 7: for tests of what reads a page.
+    #[cfg(test)]
+    pub(crate) fn scripted(rows: Vec<ListRow>, failure: Option<StoreError>) -> ListStream {
+        let (deliver, deliveries) = mpsc::unbounded_channel();
+        for row in rows {
+            deliver.send(Delivery::Row(row)).expect("open channel");
+        }
+        let last = failure.map_or(Delivery::End, Delivery::Failed);
+        deliver.send(last).expect("open channel");
+        ListStream {
+            resource_version: 7,
+            compacted: 1,
+            unstarted: None,
+            deliveries,
+            limit: None,
+            delivered: 0,
+            more: false,
+            finished: false,
+        }
+    }
+
     /// The whole page in memory.
     pub async fn collect(mut self) -> Result<ListPage, StoreError> {
         let mut rows = Vec::new();
