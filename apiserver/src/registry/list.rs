@@ -38,8 +38,6 @@ pub struct ListPageStream {
     /// The list's resourceVersion: the snapshot of its first page.
     resource_version: i64,
     fingerprint: String,
-    /// The key of the last row handed out: where the next page starts.
-    last: Option<(String, String)>,
 }
 
 impl ListPageStream {
@@ -48,7 +46,6 @@ impl ListPageStream {
             rows,
             resource_version,
             fingerprint,
-            last: None,
         }
     }
 
@@ -58,22 +55,21 @@ impl ListPageStream {
 
     /// The next row; `None` once the page is complete. An error ends the page.
     pub async fn next_row(&mut self) -> Option<Result<ListRow, RegistryError>> {
-        let row = self.rows.next_row().await?;
-        if let Ok(row) = &row {
-            self.last = Some((row.namespace.clone(), row.name.clone()));
-        }
-        Some(row.map_err(RegistryError::from))
+        Some(self.rows.next_row().await?.map_err(RegistryError::from))
     }
 
     /// The token of the next page, when there is one; meaningful once
     /// [`ListPageStream::next_row`] returned `None`.
     pub fn continue_token(&self) -> Option<String> {
-        next_token(
-            self.rows.more(),
-            self.last.as_ref(),
-            self.resource_version,
-            &self.fingerprint,
-        )
+        self.rows.next_page_after().map(|(namespace, name)| {
+            ContinueToken {
+                resource_version: self.resource_version,
+                namespace: namespace.clone(),
+                name: name.clone(),
+                query: self.fingerprint.clone(),
+            }
+            .encode()
+        })
     }
 
     /// The whole page in memory.
@@ -154,28 +150,6 @@ pub fn check_list_version(
         )));
     }
     Ok(())
-}
-
-/// The continue token of the page ending at `last` (namespace, name), when the store said
-/// there are more.
-fn next_token(
-    more: bool,
-    last: Option<&(String, String)>,
-    list_rv: i64,
-    fingerprint: &str,
-) -> Option<String> {
-    match (more, last) {
-        (true, Some((namespace, name))) => Some(
-            ContinueToken {
-                resource_version: list_rv,
-                namespace: namespace.clone(),
-                name: name.clone(),
-                query: fingerprint.to_owned(),
-            }
-            .encode(),
-        ),
-        _ => None,
-    }
 }
 
 #[cfg(test)]

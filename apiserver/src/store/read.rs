@@ -106,6 +106,8 @@ pub struct ListStream {
     deliveries: mpsc::UnboundedReceiver<Delivery>,
     limit: Option<u64>,
     delivered: u64,
+    /// The key of the row that filled the limit: where the next page starts, if one follows.
+    limit_key: Option<(String, String)>,
     more: bool,
     finished: bool,
 }
@@ -138,6 +140,9 @@ impl ListStream {
             }
             Some(Delivery::Row(row)) => {
                 self.delivered += 1;
+                if self.limit == Some(self.delivered) {
+                    self.limit_key = Some((row.namespace.clone(), row.name.clone()));
+                }
                 (Some(Ok(row)), false)
             }
             Some(Delivery::End) => (None, true),
@@ -160,6 +165,12 @@ impl ListStream {
         self.more
     }
 
+    /// The (namespace, name) the next page starts after, when another page follows; known once
+    /// [`ListStream::next_row`] returned `None`.
+    pub fn next_page_after(&self) -> Option<&(String, String)> {
+        self.limit_key.as_ref().filter(|_| self.more)
+    }
+
     /// A page that delivers `rows`, then `failure` (or its end when there is none), at
     /// resourceVersion 7: for tests of what reads a page.
     #[cfg(test)]
@@ -177,6 +188,7 @@ impl ListStream {
             deliveries,
             limit: None,
             delivered: 0,
+            limit_key: None,
             more: false,
             finished: false,
         }
@@ -296,14 +308,18 @@ async fn read_rows(
         Ok(())
     }
     .await;
-    let failed = outcome.is_err();
-    let _ = deliver.send(match outcome {
-        Ok(()) => Delivery::End,
-        Err(e) => Delivery::Failed(e),
-    });
-    // Read-only: the rows are valid whatever the commit says; a failed read rolls back on drop.
-    if !failed && let Err(e) = txn.commit().await {
-        tracing::warn!(error = %e, "ending a list's read transaction failed");
+    match outcome {
+        Ok(()) => {
+            let _ = deliver.send(Delivery::End);
+            // Read-only: the rows are valid whatever the commit says.
+            if let Err(e) = txn.commit().await {
+                tracing::warn!(error = %e, "ending a list's read transaction failed");
+            }
+        }
+        // The transaction rolls back on drop.
+        Err(e) => {
+            let _ = deliver.send(Delivery::Failed(e));
+        }
     }
 }
 
@@ -465,6 +481,7 @@ impl Store {
             deliveries,
             limit: query.limit,
             delivered: 0,
+            limit_key: None,
             more: false,
             finished: false,
         })
