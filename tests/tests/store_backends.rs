@@ -8,7 +8,7 @@ use std::time::Duration;
 use reports_server_apiserver::selector::{FieldSelector, LabelSelector};
 use reports_server_apiserver::store::feed::read_changes;
 use reports_server_apiserver::store::{
-    EventType, ListQuery, Mutation, Store, StoreError, StoreOptions,
+    EventType, ListQuery, Mutation, Store, StoreError, StoreOptions, Target,
 };
 use reports_server_crds::catalog::{EPHEMERAL_REPORT, POLICY_REPORT};
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
@@ -229,6 +229,152 @@ async fn selectors_and_keyset_pages_run_in_sql() {
             .unwrap();
         let n: i64 = rows[0].try_get("", "n").unwrap();
         assert_eq!(n, 30, "{backend:?}");
+    }
+}
+
+/// A round's writes take a different path by size (on PostgreSQL a small round is folded into
+/// two statements, a bulk round is written table by table): both leave the same rows — one
+/// label row per label, one `results` row per result, nothing of a replaced or deleted object
+/// behind — and every superseded version keeps its own body in the change log.
+#[tokio::test]
+async fn small_and_bulk_rounds_leave_the_same_rows() {
+    const EACH: u64 = 150;
+    let results_per_report = report("ns", 0, &[])["results"].as_array().unwrap().len() as i64;
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(backend, dir.path()).await;
+        let (start, _) = store.versions().await.unwrap();
+        let named = |ns: &str, n: u64, tier: &str| {
+            let mut r = report(ns, n, &[("tier", tier)]);
+            r["metadata"]["namespace"] = json!(ns);
+            r
+        };
+        // Each tier in one bulk round (a few hundred parameters a report: far past what
+        // PostgreSQL folds) and in rounds of one write each; silver replaces gold.
+        for tier in ["gold", "silver"] {
+            store
+                .put_all(
+                    &POLICY_REPORT,
+                    (0..EACH).map(|n| named("bulk", n, tier)).collect(),
+                )
+                .await
+                .unwrap();
+            for n in 0..EACH {
+                put(
+                    &store,
+                    "single",
+                    &format!("r-{n:05}"),
+                    named("single", n, tier),
+                )
+                .await;
+            }
+        }
+        // Then a third of each goes, in one round and one by one.
+        let doomed: Vec<String> = (0..EACH).step_by(3).map(|n| format!("r-{n:05}")).collect();
+        let targets: Vec<Target<'_>> = doomed
+            .iter()
+            .map(|name| Target {
+                resource: &POLICY_REPORT,
+                namespace: "bulk",
+                name,
+            })
+            .collect();
+        store
+            .mutate_batch::<StoreError, _>(&targets, false, |_, _| Ok(Mutation::Delete))
+            .await
+            .unwrap();
+        for name in &doomed {
+            store
+                .mutate::<StoreError, _>(&POLICY_REPORT, "single", name, false, |_| {
+                    Ok(Mutation::Delete)
+                })
+                .await
+                .unwrap();
+        }
+
+        let left = (EACH - doomed.len() as u64) as i64;
+        let scalar = |sql: String| {
+            let store = store.clone();
+            async move {
+                let rows = store.query_raw(&sql).await.unwrap();
+                rows[0].try_get::<i64>("", "n").unwrap()
+            }
+        };
+        for ns in ["bulk", "single"] {
+            let of_ns = format!(
+                "FROM objects o JOIN {{}} s ON s.object_id = o.id WHERE o.namespace = '{ns}'"
+            );
+            let labels = scalar(format!(
+                "SELECT COUNT(*) AS n {}",
+                of_ns.replace("{}", "object_labels")
+            ));
+            let results = scalar(format!(
+                "SELECT COUNT(*) AS n {}",
+                of_ns.replace("{}", "results")
+            ));
+            let silver = scalar(format!(
+                "SELECT COUNT(*) AS n {} AND s.key = 'tier' AND s.value = 'silver'",
+                of_ns.replace("{}", "object_labels")
+            ));
+            // The fixture's own labels plus `tier`.
+            let labels_each = report("ns", 0, &[("tier", "x")])["metadata"]["labels"]
+                .as_object()
+                .unwrap()
+                .len() as i64;
+            assert_eq!(
+                labels.await,
+                left * labels_each,
+                "{backend:?} {ns}: label rows"
+            );
+            assert_eq!(
+                silver.await,
+                left,
+                "{backend:?} {ns}: the replacements' labels"
+            );
+            assert_eq!(
+                results.await,
+                left * results_per_report,
+                "{backend:?} {ns}: result rows"
+            );
+        }
+        // Nothing of a replaced or deleted object is left behind.
+        for table in ["object_labels", "results"] {
+            let orphans = scalar(format!(
+                "SELECT COUNT(*) AS n FROM {table} s WHERE NOT EXISTS \
+                 (SELECT 1 FROM objects o WHERE o.id = s.object_id)"
+            ));
+            assert_eq!(orphans.await, 0, "{backend:?}: {table} rows of no object");
+        }
+        assert_eq!(store.count(&POLICY_REPORT).await.unwrap(), 2 * left);
+
+        // Every version is in the log with its own body: the first with tier gold, the
+        // replacement with silver, the deletion with the replacement's state.
+        let (current, _) = store.versions().await.unwrap();
+        let changes = read_changes(&store, start, None, 10_000).await.unwrap();
+        assert_eq!(
+            changes
+                .iter()
+                .map(|c| c.resource_version)
+                .collect::<Vec<_>>(),
+            ((start + 1)..=current).collect::<Vec<_>>(),
+            "{backend:?}: a gapless log"
+        );
+        for change in &changes {
+            let tier = change.object()["metadata"]["labels"]["tier"].clone();
+            let expected = match change.event {
+                EventType::Added => "gold",
+                EventType::Modified | EventType::Deleted => "silver",
+            };
+            assert_eq!(
+                tier,
+                json!(expected),
+                "{backend:?}: {:?} of {}/{} at {}",
+                change.event,
+                change.namespace,
+                change.name,
+                change.resource_version
+            );
+        }
     }
 }
 

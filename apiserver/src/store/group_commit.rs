@@ -439,11 +439,10 @@ impl Store {
             }
             all.push(applied);
         }
-        if let Some(staged) = staged.filter(|s| !s.is_empty()) {
-            self.write_staged(txn, staged).await?;
-        }
-        if rv != base_rv {
-            self.advance_counter(txn, rv).await?;
+        match staged.filter(|s| !s.is_empty()) {
+            Some(staged) => self.write_staged(txn, staged, rv).await?,
+            None if rv != base_rv => self.advance_counter(txn, rv).await?,
+            None => {}
         }
         Ok((all, rv))
     }

@@ -14,8 +14,8 @@ use std::collections::HashMap;
 
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{
-    Alias, ColumnRef, CommonTableExpression, Condition, Expr, ExprTrait, Func, InsertStatement,
-    IntoColumnRef, OnConflict, Query, TableRef, WithClause,
+    ColumnRef, CommonTableExpression, Condition, DeleteStatement, Expr, ExprTrait, Func,
+    InsertStatement, IntoColumnRef, OnConflict, Query, TableRef, UpdateStatement, WithQuery,
 };
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, TransactionTrait};
 use serde_json::Value;
@@ -290,25 +290,33 @@ impl Store {
         txn: &DatabaseTransaction,
         rv: i64,
     ) -> Result<(), StoreError> {
+        let advance = self.counter_advance(rv);
+        if self.backend() == DbBackend::Postgres {
+            txn.query_one(&advance).await?;
+        } else {
+            txn.execute(&advance).await?;
+        }
+        Ok(())
+    }
+
+    /// The UPDATE that moves the counter to `rv`. On PostgreSQL the wake-up for other replicas
+    /// rides on it (NOTIFY is delivered at commit, like the statement itself), so it returns
+    /// a row.
+    fn counter_advance(&self, rv: i64) -> UpdateStatement {
         let mut advance = Query::update();
         advance
             .table(StoreState::Table)
             .value(StoreState::Rv, rv)
             .and_where(Expr::col(StoreState::ClusterId).eq(self.cluster_id()));
         if self.backend() == DbBackend::Postgres {
-            // The wake-up for other replicas rides on the same round trip (NOTIFY is
-            // delivered at commit, like the statement itself).
             advance.returning(
                 Query::returning().expr(
                     Func::cust("pg_notify")
                         .args([Expr::val(NOTIFY_CHANNEL), Expr::val(rv.to_string())]),
                 ),
             );
-            txn.query_one(&advance).await?;
-        } else {
-            txn.execute(&advance).await?;
         }
-        Ok(())
+        advance
     }
 
     /// The versions `rvs` are being superseded: their change-log entries, which so far read the
@@ -321,36 +329,33 @@ impl Store {
         rvs: &[i64],
     ) -> Result<(), StoreError> {
         for chunk in rvs.chunks(KEYS_PER_STATEMENT) {
-            let body_of_row = Query::select()
-                .column((Objects::Table, Objects::Body))
-                .from(Objects::Table)
-                .cond_where(object_row_of_change())
-                .to_owned();
-            txn.execute(
-                &Query::update()
-                    .table(Changes::Table)
-                    .value(
-                        Changes::Body,
-                        Expr::SubQuery(None, Box::new(body_of_row.into())),
-                    )
-                    .and_where(
-                        Expr::col((Changes::Table, Changes::ClusterId)).eq(self.cluster_id()),
-                    )
-                    .and_where(
-                        Expr::col((Changes::Table, Changes::Rv)).is_in(chunk.iter().copied()),
-                    )
-                    .and_where(Expr::col((Changes::Table, Changes::Body)).eq(BODY_IN_OBJECTS))
-                    .to_owned(),
-            )
-            .await?;
+            txn.execute(&self.retirement(chunk)).await?;
         }
         Ok(())
     }
 
-    /// Inserts a new object with its labels, result rows and change-log entry (`change`). On
-    /// PostgreSQL that is one statement (the side rows take the new id from a data-modifying
-    /// CTE), elsewhere one statement each: a create is the commonest write (Kyverno's
-    /// ephemeral reports) and every round trip is paid under the write lock.
+    /// The UPDATE of [`Store::retire_bodies`] for the versions `rvs`.
+    fn retirement(&self, rvs: &[i64]) -> UpdateStatement {
+        let body_of_row = Query::select()
+            .column((Objects::Table, Objects::Body))
+            .from(Objects::Table)
+            .cond_where(object_row_of_change())
+            .to_owned();
+        Query::update()
+            .table(Changes::Table)
+            .value(
+                Changes::Body,
+                Expr::SubQuery(None, Box::new(body_of_row.into())),
+            )
+            .and_where(Expr::col((Changes::Table, Changes::ClusterId)).eq(self.cluster_id()))
+            .and_where(Expr::col((Changes::Table, Changes::Rv)).is_in(rvs.iter().copied()))
+            .and_where(Expr::col((Changes::Table, Changes::Body)).eq(BODY_IN_OBJECTS))
+            .to_owned()
+    }
+
+    /// Inserts a new object with its labels, result rows and change-log entry (`change`), one
+    /// statement each. (PostgreSQL stages even a round's only write: [`Store::write_staged`]
+    /// folds it into one statement.)
     #[allow(clippy::too_many_arguments)]
     async fn insert_row(
         &self,
@@ -370,62 +375,19 @@ impl Store {
         let rule_ids = rules.ids_of(&results)?;
         let mut insert = objects_head();
         insert.values_panic(self.object_values(key, t, &cols, body, rv));
-        match self.backend() {
-            DbBackend::Postgres if results.len() <= RESULT_ROWS_PER_STATEMENT => {
-                insert.returning_col(Objects::Id);
-                let new_id = Alias::new("new_object");
-                let id: Expr = Expr::SubQuery(
-                    None,
-                    Box::new(
-                        Query::select()
-                            .column(Objects::Id)
-                            .from(new_id.clone())
-                            .to_owned()
-                            .into(),
-                    ),
-                );
-                let mut with = WithClause::new();
-                with.cte(
-                    CommonTableExpression::new()
-                        .query(insert)
-                        .table_name(new_id)
-                        .to_owned(),
-                );
-                let side = self
-                    .labels_insert(&id, &cols)
-                    .into_iter()
-                    .chain(results_inserts(&id, &results, &rule_ids));
-                for (n, statement) in side.enumerate() {
-                    with.cte(
-                        CommonTableExpression::new()
-                            .query(statement)
-                            .table_name(Alias::new(format!("side_{n}")))
-                            .to_owned(),
-                    );
-                }
-                txn.execute(&with.query(change))
-                    .await
-                    .map_err(unique_to_exists)?;
-                return Ok(());
-            }
-            DbBackend::MySql => {
-                let res = txn.execute(&insert).await.map_err(unique_to_exists)?;
-                let id = Expr::val(res.last_insert_id() as i64);
-                self.write_side_rows(txn, &id, &cols, &results, &rule_ids)
-                    .await?;
-            }
-            _ => {
-                insert.returning_col(Objects::Id);
-                let row = txn.query_one(&insert).await.map_err(unique_to_exists)?;
-                let id: i64 = row
-                    .ok_or_else(|| {
-                        StoreError::Inconsistent("INSERT … RETURNING returned no row".into())
-                    })?
-                    .try_get("", "id")?;
-                self.write_side_rows(txn, &Expr::val(id), &cols, &results, &rule_ids)
-                    .await?;
-            }
-        }
+        let id = if self.backend() == DbBackend::MySql {
+            let res = txn.execute(&insert).await.map_err(unique_to_exists)?;
+            res.last_insert_id() as i64
+        } else {
+            insert.returning_col(Objects::Id);
+            let row = txn.query_one(&insert).await.map_err(unique_to_exists)?;
+            row.ok_or_else(|| {
+                StoreError::Inconsistent("INSERT … RETURNING returned no row".into())
+            })?
+            .try_get("", "id")?
+        };
+        self.write_side_rows(txn, &Expr::val(id), &cols, results, &rule_ids)
+            .await?;
         txn.execute(&change).await.map_err(StoreError::from)?;
         Ok(())
     }
@@ -472,7 +434,7 @@ impl Store {
         .await?;
         self.delete_side_rows(txn, &[id]).await?;
         let rule_ids = rules.ids_of(&results)?;
-        self.write_side_rows(txn, &Expr::val(id), &cols, &results, &rule_ids)
+        self.write_side_rows(txn, &Expr::val(id), &cols, results, &rule_ids)
             .await
     }
 
@@ -497,7 +459,7 @@ impl Store {
         txn: &DatabaseTransaction,
         id: &Expr,
         cols: &ObjectColumns,
-        results: &[ResultRow],
+        results: Vec<ResultRow>,
         rule_ids: &[i64],
     ) -> Result<(), StoreError> {
         for insert in self
@@ -648,17 +610,49 @@ impl StagedWrites {
     pub(super) fn is_empty(&self) -> bool {
         self.changes.is_empty()
     }
+
+    /// The bind parameters of a round's label, result and change-log rows and the counter's
+    /// UPDATE: what PostgreSQL folds into one statement.
+    fn side_parameters(&self) -> usize {
+        let sides: usize = self
+            .sides
+            .iter()
+            .map(|s| s.labels.len() * 3 + s.results.len() * 13)
+            .sum();
+        self.changes.len() * 10 + sides + 4
+    }
+}
+
+impl NewObjectSides {
+    /// The object's label and result rows, given its id.
+    fn rows_into(self, id: &Expr, labels: &mut Vec<[Expr; 3]>, results: &mut Vec<[Expr; 13]>) {
+        for (k, v) in self.labels {
+            labels.push([id.clone(), k.into(), v.into()]);
+        }
+        results.extend(result_values(id, self.results, &self.rule_ids));
+    }
 }
 
 /// Rows per multi-row INSERT of new objects (21 bind parameters each).
 const OBJECTS_PER_STATEMENT: usize = 500;
 
+/// The most bind parameters PostgreSQL folds into one statement (the protocol allows 65,535):
+/// a round's label, result and change-log rows of about a hundred reports of the usual size
+/// (19 results, ~270 parameters), so the rounds of Kyverno's and the API's writes fold and the
+/// aggregator's bulk rounds are written table by table.
+const PARAMETERS_PER_FOLDED_STATEMENT: usize = 30_000;
+
 impl Store {
-    /// Whether a round writes `writes` mutations through [`StagedWrites`]: one write alone is
-    /// cheaper with its own statements (a create on PostgreSQL is a single statement), and
-    /// MySQL has no `INSERT … RETURNING`.
+    /// Whether a round writes `writes` mutations through [`StagedWrites`]. PostgreSQL always
+    /// does (it folds them into one or two statements); SQLite from two writes on (one write
+    /// alone is no cheaper staged, and an update keeps its row); MySQL never (it has no
+    /// `INSERT … RETURNING`).
     pub(super) fn stages(&self, writes: usize) -> bool {
-        writes > 1 && self.backend() != DbBackend::MySql
+        match self.backend() {
+            DbBackend::Postgres => writes > 0,
+            DbBackend::MySql => false,
+            _ => writes > 1,
+        }
     }
 
     /// [`Store::apply_one`] for a staged round: the same versions, events and JSON, with the
@@ -730,15 +724,31 @@ impl Store {
         })
     }
 
-    /// Writes a round's staged writes: retires the superseded bodies, deletes the removed rows,
-    /// inserts the new ones, then their labels, result rows and change-log entries.
+    /// Writes a round's staged writes and moves the counter to the round's last version
+    /// `last_rv`: retires the superseded bodies, deletes the removed rows, inserts the new ones,
+    /// then their labels, result rows and change-log entries.
+    ///
+    /// Every statement of a round is a round trip made under the counter's lock. On PostgreSQL
+    /// the removals are one statement, and the side rows and change-log entries ride with the
+    /// counter's UPDATE as data-modifying CTEs when they fit in
+    /// [`PARAMETERS_PER_FOLDED_STATEMENT`]: a create is BEGIN, lock, current-row read, the new
+    /// rows, the rest, COMMIT. (Taking the new rows' ids from their `INSERT … RETURNING` in the
+    /// same statement costs more than the round trip: PostgreSQL plans a subquery per side row.)
     pub(super) async fn write_staged(
         &self,
         txn: &DatabaseTransaction,
         staged: StagedWrites,
+        last_rv: i64,
     ) -> Result<(), StoreError> {
-        self.retire_bodies(txn, &staged.retired).await?;
-        self.delete_rows(txn, &staged.removed).await?;
+        let postgres = self.backend() == DbBackend::Postgres;
+        if postgres {
+            self.remove_rows_in_one(txn, &staged.retired, &staged.removed)
+                .await?;
+        } else {
+            self.retire_bodies(txn, &staged.retired).await?;
+            self.delete_rows(txn, &staged.removed).await?;
+        }
+        let folds = postgres && staged.side_parameters() <= PARAMETERS_PER_FOLDED_STATEMENT;
         let mut ids: HashMap<(String, String, String), i64> = HashMap::new();
         let mut rows = staged.rows.into_iter().peekable();
         while rows.peek().is_some() {
@@ -765,7 +775,7 @@ impl Store {
         }
         let mut labels = Vec::new();
         let mut results = Vec::new();
-        for side in &staged.sides {
+        for side in staged.sides {
             let id = ids
                 .get(&(side.key.clone(), side.namespace.clone(), side.name.clone()))
                 .ok_or_else(|| {
@@ -774,16 +784,82 @@ impl Store {
                         side.key, side.namespace, side.name
                     ))
                 })?;
-            let id = Expr::val(*id);
-            for (k, v) in &side.labels {
-                labels.push([id.clone(), k.clone().into(), v.clone().into()]);
+            side.rows_into(&Expr::val(*id), &mut labels, &mut results);
+        }
+        if folds {
+            let inserts = multi_row_inserts(labels_head, labels)
+                .into_iter()
+                .chain(multi_row_inserts(results_head, results))
+                .chain(multi_row_inserts(changes_head, staged.changes));
+            let mut with = WithQuery::new();
+            for (n, insert) in inserts.enumerate() {
+                with.cte(cte(format!("side_{n}"), insert));
             }
-            results.extend(result_values(&id, &side.results, &side.rule_ids));
+            txn.query_one(with.query(self.counter_advance(last_rv)))
+                .await?;
+            return Ok(());
         }
         insert_in_chunks(txn, labels_head, labels).await?;
         insert_in_chunks(txn, results_head, results).await?;
-        insert_in_chunks(txn, changes_head, staged.changes).await
+        insert_in_chunks(txn, changes_head, staged.changes).await?;
+        self.advance_counter(txn, last_rv).await
     }
+
+    /// PostgreSQL: [`Store::retire_bodies`] and [`Store::delete_rows`] as one statement per
+    /// [`KEYS_PER_STATEMENT`] rows. Its parts share one snapshot, so the retirement still reads
+    /// the bodies of the rows the same statement deletes.
+    async fn remove_rows_in_one(
+        &self,
+        txn: &DatabaseTransaction,
+        retired: &[i64],
+        removed: &[i64],
+    ) -> Result<(), StoreError> {
+        let chunks = retired
+            .len()
+            .max(removed.len())
+            .div_ceil(KEYS_PER_STATEMENT);
+        for chunk in 0..chunks {
+            let part = |keys: &[i64]| -> Vec<i64> {
+                keys.iter()
+                    .copied()
+                    .skip(chunk * KEYS_PER_STATEMENT)
+                    .take(KEYS_PER_STATEMENT)
+                    .collect()
+            };
+            let (rvs, ids) = (part(retired), part(removed));
+            let mut with = WithQuery::new();
+            if !rvs.is_empty() {
+                with.cte(cte("retired", self.retirement(&rvs)));
+            }
+            if ids.is_empty() {
+                txn.execute(with.query(Query::select().expr(Expr::val(1)).to_owned()))
+                    .await?;
+                continue;
+            }
+            with.cte(cte(
+                "removed_labels",
+                delete_in(ObjectLabels::Table, ObjectLabels::ObjectId, &ids),
+            ));
+            with.cte(cte(
+                "removed_results",
+                delete_in(Results::Table, Results::ObjectId, &ids),
+            ));
+            txn.execute(with.query(delete_in(Objects::Table, Objects::Id, &ids)))
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// A named common table expression of `query` (built in place: sea-query's chained builders
+/// end in a clone of the whole statement, values and all).
+fn cte(
+    name: impl sea_orm::sea_query::IntoIden,
+    query: impl Into<sea_orm::sea_query::SubQueryStatement>,
+) -> CommonTableExpression {
+    let mut cte = CommonTableExpression::new();
+    cte.query(query).table_name(name);
+    cte
 }
 
 /// Inserts `rows` with `head`, [`RESULT_ROWS_PER_STATEMENT`] rows per statement.
@@ -807,15 +883,22 @@ async fn delete_where_in(
 ) -> Result<(), StoreError> {
     let (table, column): (TableRef, ColumnRef) = (table.into(), column.into_column_ref());
     for chunk in ids.chunks(KEYS_PER_STATEMENT) {
-        txn.execute(
-            &Query::delete()
-                .from_table(table.clone())
-                .and_where(Expr::col(column.clone()).is_in(chunk.iter().copied()))
-                .to_owned(),
-        )
-        .await?;
+        txn.execute(&delete_in(table.clone(), column.clone(), chunk))
+            .await?;
     }
     Ok(())
+}
+
+/// `DELETE FROM table WHERE column IN (ids)`.
+fn delete_in(
+    table: impl Into<TableRef>,
+    column: impl IntoColumnRef,
+    ids: &[i64],
+) -> DeleteStatement {
+    Query::delete()
+        .from_table(table)
+        .and_where(Expr::col(column).is_in(ids.iter().copied()))
+        .to_owned()
 }
 
 /// `INSERT INTO objects (…)` without values; [`Store::object_values`] gives a row.
@@ -885,42 +968,38 @@ fn results_head() -> InsertStatement {
 /// [`results_head`]'s column order; `rule_ids` holds each row's rule id.
 fn result_values<'a>(
     id: &'a Expr,
-    rows: &'a [ResultRow],
+    rows: Vec<ResultRow>,
     rule_ids: &'a [i64],
 ) -> impl Iterator<Item = [Expr; 13]> + 'a {
-    rows.iter()
+    rows.into_iter()
         .zip(rule_ids)
         .enumerate()
         .map(move |(ordinal, (r, rule_id))| {
-            let (kind, namespace, name, uid) = match &r.subject {
-                Some(s) => (
-                    s.kind.clone(),
-                    s.namespace.clone(),
-                    s.name.clone(),
-                    s.uid.clone(),
-                ),
+            let own_subject = r.subject.is_some();
+            let (kind, namespace, name, uid) = match r.subject {
+                Some(s) => (s.kind, s.namespace, s.name, s.uid),
                 None => (None, None, None, None),
             };
             [
                 id.clone(),
                 (ordinal as i32).into(),
                 (*rule_id).into(),
-                r.result.clone().into(),
-                r.subject.is_some().into(),
-                r.subject_api_version.clone().into(),
+                r.result.into(),
+                own_subject.into(),
+                r.subject_api_version.into(),
                 kind.into(),
                 namespace.into(),
                 name.into(),
                 uid.into(),
                 r.timestamp.into(),
-                r.message.clone().into(),
-                r.properties.clone().into(),
+                r.message.into(),
+                r.properties.into(),
             ]
         })
 }
 
 /// The object's result rows, [`RESULT_ROWS_PER_STATEMENT`] per statement.
-fn results_inserts(id: &Expr, rows: &[ResultRow], rule_ids: &[i64]) -> Vec<InsertStatement> {
+fn results_inserts(id: &Expr, rows: Vec<ResultRow>, rule_ids: &[i64]) -> Vec<InsertStatement> {
     multi_row_inserts(results_head, result_values(id, rows, rule_ids))
 }
 
