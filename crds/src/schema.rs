@@ -24,13 +24,26 @@ pub struct SchemaError {
 pub fn normalize_object<T: DeserializeOwned + Serialize>(
     object: &Value,
 ) -> Result<Value, SchemaError> {
-    let typed: T = serde_path_to_error::deserialize(object).map_err(|e| {
-        let field = e.path().to_string();
-        SchemaError {
-            field: if field == "." { String::new() } else { field },
-            message: e.into_inner().to_string(),
+    // Tracking the path costs on every field of every write; only a failure needs it, so a
+    // failure is deserialized again to name its field (the same visitor gives the same error).
+    let typed = match T::deserialize(object) {
+        Ok(typed) => typed,
+        Err(first) => {
+            return Err(match serde_path_to_error::deserialize::<_, T>(object) {
+                Err(e) => {
+                    let field = e.path().to_string();
+                    SchemaError {
+                        field: if field == "." { String::new() } else { field },
+                        message: e.into_inner().to_string(),
+                    }
+                }
+                Ok(_) => SchemaError {
+                    field: String::new(),
+                    message: first.to_string(),
+                },
+            });
         }
-    })?;
+    };
     serde_json::to_value(&typed).map_err(|e| SchemaError {
         field: String::new(),
         message: e.to_string(),
