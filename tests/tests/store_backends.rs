@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use reports_server_apiserver::selector::{FieldSelector, LabelSelector};
 use reports_server_apiserver::store::feed::read_changes;
+use reports_server_apiserver::store::write_target::Target;
 use reports_server_apiserver::store::{
-    EventType, ListQuery, Mutation, Store, StoreError, StoreOptions, Target,
+    EventType, ListQuery, Mutation, Store, StoreError, StoreOptions,
 };
 use reports_server_crds::catalog::{EPHEMERAL_REPORT, POLICY_REPORT};
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
@@ -239,23 +240,23 @@ async fn selectors_and_keyset_pages_run_in_sql() {
 #[tokio::test]
 async fn small_and_bulk_rounds_leave_the_same_rows() {
     const EACH: u64 = 150;
-    let results_per_report = report("ns", 0, &[])["results"].as_array().unwrap().len() as i64;
+    let each = report("ns", 0, &[("tier", "x")]);
+    let results_per_report = each["results"].as_array().unwrap().len() as i64;
+    // The fixture's own labels plus `tier`.
+    let labels_per_report = each["metadata"]["labels"].as_object().unwrap().len() as i64;
     for backend in Backend::ALL {
         let dir = tempfile::tempdir().unwrap();
         let (store, _) = open(backend, dir.path()).await;
         let (start, _) = store.versions().await.unwrap();
-        let named = |ns: &str, n: u64, tier: &str| {
-            let mut r = report(ns, n, &[("tier", tier)]);
-            r["metadata"]["namespace"] = json!(ns);
-            r
-        };
         // Each tier in one bulk round (a few hundred parameters a report: far past what
         // PostgreSQL folds) and in rounds of one write each; silver replaces gold.
         for tier in ["gold", "silver"] {
             store
                 .put_all(
                     &POLICY_REPORT,
-                    (0..EACH).map(|n| named("bulk", n, tier)).collect(),
+                    (0..EACH)
+                        .map(|n| report("bulk", n, &[("tier", tier)]))
+                        .collect(),
                 )
                 .await
                 .unwrap();
@@ -264,7 +265,7 @@ async fn small_and_bulk_rounds_leave_the_same_rows() {
                     &store,
                     "single",
                     &format!("r-{n:05}"),
-                    named("single", n, tier),
+                    report("single", n, &[("tier", tier)]),
                 )
                 .await;
             }
@@ -301,29 +302,21 @@ async fn small_and_bulk_rounds_leave_the_same_rows() {
             }
         };
         for ns in ["bulk", "single"] {
-            let of_ns = format!(
-                "FROM objects o JOIN {{}} s ON s.object_id = o.id WHERE o.namespace = '{ns}'"
+            let rows_in_ns = |table: &str, also: &str| {
+                scalar(format!(
+                    "SELECT COUNT(*) AS n FROM objects o JOIN {table} s \
+                     ON s.object_id = o.id WHERE o.namespace = '{ns}'{also}"
+                ))
+            };
+            let labels = rows_in_ns("object_labels", "");
+            let results = rows_in_ns("results", "");
+            let silver = rows_in_ns(
+                "object_labels",
+                " AND s.key = 'tier' AND s.value = 'silver'",
             );
-            let labels = scalar(format!(
-                "SELECT COUNT(*) AS n {}",
-                of_ns.replace("{}", "object_labels")
-            ));
-            let results = scalar(format!(
-                "SELECT COUNT(*) AS n {}",
-                of_ns.replace("{}", "results")
-            ));
-            let silver = scalar(format!(
-                "SELECT COUNT(*) AS n {} AND s.key = 'tier' AND s.value = 'silver'",
-                of_ns.replace("{}", "object_labels")
-            ));
-            // The fixture's own labels plus `tier`.
-            let labels_each = report("ns", 0, &[("tier", "x")])["metadata"]["labels"]
-                .as_object()
-                .unwrap()
-                .len() as i64;
             assert_eq!(
                 labels.await,
-                left * labels_each,
+                left * labels_per_report,
                 "{backend:?} {ns}: label rows"
             );
             assert_eq!(

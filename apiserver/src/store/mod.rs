@@ -40,7 +40,7 @@ use serde_json::Value;
 pub use feed::{Change, ChangeFeed, EventType};
 pub use migration::m20261123_000003_nonzero_resource_version::FIRST_RESOURCE_VERSION;
 pub use read::{ListPage, ListQuery, ListRow, ListStream};
-pub use write::{Mutation, Target, WriteOutcome};
+pub use write::{Mutation, WriteOutcome};
 
 /// The addressing of one object in a batch write.
 pub mod write_target {

@@ -587,13 +587,23 @@ impl Store {
 /// the store's own side rows refers to); the row's key and version find the change log.
 #[derive(Default)]
 pub(super) struct StagedWrites {
-    /// Superseded versions whose change-log entries take their bodies ([`Store::retire_bodies`]).
-    retired: Vec<i64>,
     /// Rows to delete (deleted objects, and the old rows of replaced ones).
-    removed: Vec<i64>,
+    removed: Vec<RemovedRow>,
     rows: Vec<[Expr; 21]>,
     sides: Vec<NewObjectSides>,
     changes: Vec<[Expr; 10]>,
+}
+
+/// A row a round deletes, with the version it holds: that version's change-log entry takes the
+/// row's body ([`Store::retire_bodies`]).
+struct RemovedRow {
+    id: i64,
+    rv: i64,
+}
+
+/// The ids and versions of `rows`.
+fn ids_and_versions(rows: &[RemovedRow]) -> (Vec<i64>, Vec<i64>) {
+    rows.iter().map(|r| (r.id, r.rv)).unzip()
 }
 
 /// What a new object's side rows need once its id is known.
@@ -681,8 +691,10 @@ impl Store {
             } => {
                 let applied = Applied::put(event, *rv, &parts);
                 if let Some(current) = replaces {
-                    staged.retired.push(current.rv);
-                    staged.removed.push(current.id);
+                    staged.removed.push(RemovedRow {
+                        id: current.id,
+                        rv: current.rv,
+                    });
                 }
                 let RowParts {
                     body,
@@ -714,8 +726,10 @@ impl Store {
                 applied
             }
             Versioned::Delete { current, object } => {
-                staged.retired.push(current.rv);
-                staged.removed.push(current.id);
+                staged.removed.push(RemovedRow {
+                    id: current.id,
+                    rv: current.rv,
+                });
                 staged
                     .changes
                     .push(self.deletion_change(key, target, object, *rv, now));
@@ -742,11 +756,11 @@ impl Store {
     ) -> Result<(), StoreError> {
         let postgres = self.backend() == DbBackend::Postgres;
         if postgres {
-            self.remove_rows_in_one(txn, &staged.retired, &staged.removed)
-                .await?;
+            self.remove_rows_in_one(txn, &staged.removed).await?;
         } else {
-            self.retire_bodies(txn, &staged.retired).await?;
-            self.delete_rows(txn, &staged.removed).await?;
+            let (ids, rvs) = ids_and_versions(&staged.removed);
+            self.retire_bodies(txn, &rvs).await?;
+            self.delete_rows(txn, &ids).await?;
         }
         let folds = postgres && staged.side_parameters() <= PARAMETERS_PER_FOLDED_STATEMENT;
         let mut ids: HashMap<(String, String, String), i64> = HashMap::new();
@@ -811,31 +825,12 @@ impl Store {
     async fn remove_rows_in_one(
         &self,
         txn: &DatabaseTransaction,
-        retired: &[i64],
-        removed: &[i64],
+        removed: &[RemovedRow],
     ) -> Result<(), StoreError> {
-        let chunks = retired
-            .len()
-            .max(removed.len())
-            .div_ceil(KEYS_PER_STATEMENT);
-        for chunk in 0..chunks {
-            let part = |keys: &[i64]| -> Vec<i64> {
-                keys.iter()
-                    .copied()
-                    .skip(chunk * KEYS_PER_STATEMENT)
-                    .take(KEYS_PER_STATEMENT)
-                    .collect()
-            };
-            let (rvs, ids) = (part(retired), part(removed));
+        for chunk in removed.chunks(KEYS_PER_STATEMENT) {
+            let (ids, rvs) = ids_and_versions(chunk);
             let mut with = WithQuery::new();
-            if !rvs.is_empty() {
-                with.cte(cte("retired", self.retirement(&rvs)));
-            }
-            if ids.is_empty() {
-                txn.execute(with.query(Query::select().expr(Expr::val(1)).to_owned()))
-                    .await?;
-                continue;
-            }
+            with.cte(cte("retired", self.retirement(&rvs)));
             with.cte(cte(
                 "removed_labels",
                 delete_in(ObjectLabels::Table, ObjectLabels::ObjectId, &ids),
