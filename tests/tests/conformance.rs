@@ -2417,7 +2417,22 @@ async fn partial_object_metadata_and_table_are_served(backend: Backend) {
         assert!(
             item["metadata"]["uid"].is_string() && item["metadata"]["resourceVersion"].is_string()
         );
+        // Exactly the metadata the object itself is served with.
+        let name = item["metadata"]["name"].as_str().unwrap();
+        let (code, _, object) = raw(&client, "GET", &format!("{path}/{name}"), &[], "").await;
+        assert_eq!(code, 200, "{object}");
+        assert_eq!(item["metadata"], object["metadata"], "{backend:?}");
     }
+    // `includeObject` is a Table parameter; a metadata list ignores it.
+    let (code, _, same) = raw(
+        &client,
+        "GET",
+        &format!("{path}?includeObject=Object"),
+        &[("accept", METADATA_LIST)],
+        "",
+    )
+    .await;
+    assert_eq!((code, &same["items"]), (200, &list["items"]), "{same}");
     let (code, _, one) = raw(
         &client,
         "GET",

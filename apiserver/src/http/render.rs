@@ -134,21 +134,72 @@ pub fn table_source(resource: &ResourceDescriptor, row: &ListRow) -> Result<Valu
 /// small enough that the first bytes leave after a few rows.
 const LIST_CHUNK_BYTES: usize = 64 * 1024;
 
-/// A page of whole objects in JSON, sent as the store reads it: the stored bodies are spliced
-/// in without decoding, and the page is never assembled in memory. The first row is read
-/// before the status line goes out, so a read that fails at once still gets its `Status`; a
-/// read that fails later can only cut the response short (the client sees a broken body,
-/// never a short list that looks complete), logged once here.
+/// What each item of a streamed JSON list is made of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamedItems {
+    /// The stored body: the object itself.
+    Objects,
+    /// `PartialObjectMetadata` of this `meta.k8s.io` version around the stored `metadata`
+    /// column (what client-go's metadata informers — the garbage collector, the namespace
+    /// controller, Kyverno — list).
+    Metadata(&'static str),
+}
+
+impl StreamedItems {
+    /// The list's `apiVersion` and `kind`.
+    fn list_type(self, resource: &'static ResourceDescriptor) -> (String, &'static str) {
+        match self {
+            StreamedItems::Objects => (resource.api_version(), resource.list_kind),
+            StreamedItems::Metadata(v) => (format!("meta.k8s.io/{v}"), "PartialObjectMetadataList"),
+        }
+    }
+
+    fn content_type(self) -> HeaderValue {
+        match self {
+            StreamedItems::Objects => HeaderValue::from_static("application/json"),
+            StreamedItems::Metadata(v) => HeaderValue::from_str(
+                &Negotiated {
+                    encoding: Encoding::Json,
+                    representation: Representation::Metadata(v),
+                }
+                .content_type(true),
+            )
+            .expect("ASCII content type"),
+        }
+    }
+
+    /// Appends `row` as one item of the list.
+    fn push(self, row: &ListRow, out: &mut Vec<u8>) {
+        match self {
+            StreamedItems::Objects => out.extend_from_slice(row.body.as_bytes()),
+            StreamedItems::Metadata(v) => {
+                out.extend_from_slice(b"{\"apiVersion\":\"meta.k8s.io/");
+                out.extend_from_slice(v.as_bytes());
+                out.extend_from_slice(b"\",\"kind\":\"PartialObjectMetadata\",\"metadata\":");
+                out.extend_from_slice(row.metadata.as_bytes());
+                out.push(b'}');
+            }
+        }
+    }
+}
+
+/// A page in JSON, sent as the store reads it: the stored bodies (or `metadata` columns) are
+/// spliced in without decoding, and the page is never assembled in memory. The first row is
+/// read before the status line goes out, so a read that fails at once still gets its `Status`;
+/// a read that fails later can only cut the response short (the client sees a broken body,
+/// never a shorter list that parses as complete).
 pub async fn streamed_list_response(
     resource: &'static ResourceDescriptor,
+    items: StreamedItems,
     mut page: ListPageStream,
 ) -> Result<Response, ApiError> {
     let first = page.next_row().await.transpose()?;
     let span = tracing::Span::current();
+    let (api_version, list_kind) = items.list_type(resource);
     let body = async_stream::stream! {
         let mut chunk = Vec::with_capacity(LIST_CHUNK_BYTES * 2);
         chunk.extend_from_slice(b"{\"apiVersion\":\"");
-        chunk.extend_from_slice(resource.api_version().as_bytes());
+        chunk.extend_from_slice(api_version.as_bytes());
         chunk.extend_from_slice(b"\",\"items\":[");
         let mut next = first;
         let mut separator = false;
@@ -157,7 +208,7 @@ pub async fn streamed_list_response(
                 chunk.push(b',');
             }
             separator = true;
-            chunk.extend_from_slice(row.body.as_bytes());
+            items.push(&row, &mut chunk);
             if chunk.len() >= LIST_CHUNK_BYTES {
                 let full = std::mem::replace(&mut chunk, Vec::with_capacity(LIST_CHUNK_BYTES * 2));
                 yield Ok(bytes::Bytes::from(full));
@@ -182,15 +233,14 @@ pub async fn streamed_list_response(
             metadata["continue"] = json!(c);
         }
         chunk.extend_from_slice(
-            format!("],\"kind\":\"{}\",\"metadata\":{}}}", resource.list_kind, metadata).as_bytes(),
+            format!("],\"kind\":\"{list_kind}\",\"metadata\":{metadata}}}").as_bytes(),
         );
         yield Ok(bytes::Bytes::from(chunk));
     };
     let mut response = axum::body::Body::from_stream(body).into_response();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, items.content_type());
     Ok(response)
 }
 
@@ -293,16 +343,20 @@ mod tests {
     use crate::store::{ListRow, ListStream, StoreError};
 
     fn page(names: &[&str], failure: Option<StoreError>) -> ListPageStream {
-        let rows = names
-            .iter()
-            .map(|name| ListRow {
-                namespace: "ns".into(),
-                name: (*name).into(),
-                body: json!({"metadata": {"name": name}}).to_string(),
-                ..ListRow::default()
-            })
-            .collect();
+        let rows = names.iter().map(|name| row(name)).collect();
         ListPageStream::new(ListStream::scripted(rows, failure), 7, "query".into())
+    }
+
+    /// A row as a list reads it, with both its body and its `metadata` column.
+    fn row(name: &str) -> ListRow {
+        let metadata = json!({"name": name, "namespace": "ns", "labels": {"team": "x\"y"}});
+        ListRow {
+            namespace: "ns".into(),
+            name: name.into(),
+            body: json!({"metadata": metadata, "summary": {"pass": 1}}).to_string(),
+            metadata: metadata.to_string(),
+            ..ListRow::default()
+        }
     }
 
     async fn body(response: Response) -> Result<bytes::Bytes, axum::Error> {
@@ -312,9 +366,10 @@ mod tests {
     #[tokio::test]
     async fn a_streamed_page_is_the_list_it_would_have_been() {
         for names in [&[][..], &["a"][..], &["a", "b", "c"][..]] {
-            let response = streamed_list_response(&POLICY_REPORT, page(names, None))
-                .await
-                .unwrap();
+            let response =
+                streamed_list_response(&POLICY_REPORT, StreamedItems::Objects, page(names, None))
+                    .await
+                    .unwrap();
             assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
             let list: Value = serde_json::from_slice(&body(response).await.unwrap()).unwrap();
             let listed: Vec<&str> = list["items"]
@@ -330,12 +385,51 @@ mod tests {
         }
     }
 
+    /// The streamed metadata list is the document the collected one renders, item for item.
+    #[tokio::test]
+    async fn a_streamed_metadata_page_is_the_list_it_would_have_been() {
+        let names = ["a", "b", "c"];
+        for version in ["v1", "v1beta1"] {
+            let n = Negotiated {
+                encoding: Encoding::Json,
+                representation: Representation::Metadata(version),
+            };
+            let streamed = streamed_list_response(
+                &POLICY_REPORT,
+                StreamedItems::Metadata(version),
+                page(&names, None),
+            )
+            .await
+            .unwrap();
+            let collected = ListResult {
+                rows: names.iter().map(|name| row(name)).collect(),
+                resource_version: 7,
+                continue_token: None,
+            };
+            let collected =
+                list_response(&POLICY_REPORT, n, IncludeObject::default(), &collected).unwrap();
+            assert_eq!(
+                streamed.headers()[header::CONTENT_TYPE],
+                collected.headers()[header::CONTENT_TYPE]
+            );
+            let streamed: Value = serde_json::from_slice(&body(streamed).await.unwrap()).unwrap();
+            let collected: Value = serde_json::from_slice(&body(collected).await.unwrap()).unwrap();
+            assert_eq!(streamed, collected);
+            assert_eq!(streamed["items"][2]["metadata"]["labels"]["team"], "x\"y");
+            assert!(streamed["items"][0].get("summary").is_none());
+        }
+    }
+
     #[tokio::test]
     async fn a_page_that_fails_at_once_is_an_error_status() {
         let failure = StoreError::Inconsistent("the database went away".into());
-        let error = streamed_list_response(&POLICY_REPORT, page(&[], Some(failure)))
-            .await
-            .unwrap_err();
+        let error = streamed_list_response(
+            &POLICY_REPORT,
+            StreamedItems::Objects,
+            page(&[], Some(failure)),
+        )
+        .await
+        .unwrap_err();
         assert_eq!(error.code, StatusCode::INTERNAL_SERVER_ERROR);
     }
 
@@ -347,9 +441,13 @@ mod tests {
         let names: Vec<String> = (0..3000).map(|i| format!("report-{i:04}")).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let failure = StoreError::Inconsistent("the database went away".into());
-        let response = streamed_list_response(&POLICY_REPORT, page(&names, Some(failure)))
-            .await
-            .unwrap();
+        let response = streamed_list_response(
+            &POLICY_REPORT,
+            StreamedItems::Objects,
+            page(&names, Some(failure)),
+        )
+        .await
+        .unwrap();
         assert_eq!(response.status(), StatusCode::OK);
         assert!(body(response).await.is_err());
     }

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::AppState;
 use super::negotiate::{Encoding, Negotiated, Representation, Target};
 use super::render::{
-    accept, deleted_list_response, include_object, list_response, object_response,
+    StreamedItems, accept, deleted_list_response, include_object, list_response, object_response,
     streamed_list_response, with_warnings,
 };
 use super::request::{Params, decode_body, decode_body_noting_duplicates};
@@ -51,17 +51,24 @@ pub async fn list(
 ) -> Result<Response, ApiError> {
     let n = accept(headers, Target::Collection)?;
     let include = include_object(params)?;
-    let metadata_only = matches!(
-        n.representation,
-        Representation::Metadata(_) | Representation::Table(_)
-    ) && include != IncludeObject::Object;
+    // `includeObject` shapes Table rows only; metadata lists never need the bodies.
+    let metadata_only = match n.representation {
+        Representation::Metadata(_) => true,
+        Representation::Table(_) => include != IncludeObject::Object,
+        Representation::Object | Representation::Discovery(_) => false,
+    };
     let page = state
         .registry
         .list_stream(r, &params.list_options(), metadata_only)
         .await?;
-    match n.representation {
-        Representation::Object | Representation::Discovery(_) if n.encoding == Encoding::Json => {
-            streamed_list_response(r.resource, page).await
+    let streamed = match n.representation {
+        Representation::Object | Representation::Discovery(_) => Some(StreamedItems::Objects),
+        Representation::Metadata(v) => Some(StreamedItems::Metadata(v)),
+        Representation::Table(_) => None,
+    };
+    match streamed {
+        Some(items) if n.encoding == Encoding::Json => {
+            streamed_list_response(r.resource, items, page).await
         }
         _ => list_response(r.resource, n, include, &page.collect().await?),
     }
