@@ -154,18 +154,17 @@ impl StreamedItems {
         }
     }
 
+    /// The list's `Content-Type`: the negotiated one of its representation, in JSON.
     fn content_type(self) -> HeaderValue {
-        match self {
-            StreamedItems::Objects => HeaderValue::from_static("application/json"),
-            StreamedItems::Metadata(v) => HeaderValue::from_str(
-                &Negotiated {
-                    encoding: Encoding::Json,
-                    representation: Representation::Metadata(v),
-                }
-                .content_type(true),
-            )
-            .expect("ASCII content type"),
-        }
+        let representation = match self {
+            StreamedItems::Objects => Representation::Object,
+            StreamedItems::Metadata(v) => Representation::Metadata(v),
+        };
+        let n = Negotiated {
+            encoding: Encoding::Json,
+            representation,
+        };
+        HeaderValue::from_str(&n.content_type(true)).expect("ASCII content type")
     }
 
     /// Appends `row` as one item of the list.
