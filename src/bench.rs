@@ -194,6 +194,7 @@ pub(crate) async fn start_server(
         serving: None,
         serving_reload: None,
         serving_names: Vec::new(),
+        connections: Default::default(),
     })
     .await?;
     let client = crate::client_from_kubeconfig(&server.kubeconfig).await?;

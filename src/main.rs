@@ -15,6 +15,7 @@ mod apiservices;
 mod bench;
 #[cfg(feature = "bench")]
 mod bench_aggregation;
+mod limits_cli;
 mod migrate_cli;
 mod operator_cli;
 
@@ -159,6 +160,8 @@ struct ServeArgs {
     aggregation: aggregation_cli::AggregationArgs,
     #[command(flatten)]
     migration: migrate_cli::ServeMigrationArgs,
+    #[command(flatten)]
+    limits: limits_cli::LimitsArgs,
     /// Address to listen on.
     #[arg(long, env = "REPORTS_SERVER_BIND_ADDRESS", default_value = "127.0.0.1")]
     bind_address: IpAddr,
@@ -363,9 +366,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         data_dir,
         bind: SocketAddr::new(args.bind_address, args.secure_port),
         store,
-        api: ApiOptions {
-            max_request_bytes: args.max_request_bytes,
-            bookmark_interval: Duration::from_secs(args.bookmark_interval_seconds.max(1)),
+        api: {
+            let mut api = ApiOptions {
+                max_request_bytes: args.max_request_bytes,
+                bookmark_interval: Duration::from_secs(args.bookmark_interval_seconds.max(1)),
+                ..ApiOptions::default()
+            };
+            args.limits.apply(&mut api);
+            api
         },
         kubeconfig,
         auth,
@@ -381,6 +389,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             _ => None,
         },
         serving_names: args.serving_cert_names.clone(),
+        connections: args.limits.connections(),
     };
     let server = startup::start(config)
         .await

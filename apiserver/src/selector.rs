@@ -9,6 +9,15 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+/// Requirements of one label selector. Each becomes a term of the SQL condition and a check on
+/// every watched change; SQLite refuses conditions past about a thousand nested terms, so the
+/// limit is well below (and far above any real selector: Kyverno's use two).
+pub const MAX_LABEL_REQUIREMENTS: usize = 100;
+/// Values of all `in`/`notin` sets of one label selector, each a bind parameter.
+pub const MAX_LABEL_VALUES: usize = 1_000;
+/// Requirements of one field selector (only `metadata.name` and `metadata.namespace` exist).
+pub const MAX_FIELD_REQUIREMENTS: usize = 20;
+
 /// One requirement of a label selector.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Requirement {
@@ -53,6 +62,19 @@ pub enum SelectorError {
     InvalidValue(String),
     #[error("field label not supported: {0} (supported: metadata.name, metadata.namespace)")]
     UnsupportedField(String),
+    #[error("too many {what}: {count} (at most {max} per selector)")]
+    TooLarge {
+        what: &'static str,
+        count: usize,
+        max: usize,
+    },
+}
+
+fn at_most(what: &'static str, count: usize, max: usize) -> Result<(), SelectorError> {
+    if count > max {
+        return Err(SelectorError::TooLarge { what, count, max });
+    }
+    Ok(())
 }
 
 fn valid_name_part(s: &str, max: usize) -> bool {
@@ -130,8 +152,11 @@ impl LabelSelector {
         if input.is_empty() {
             return Ok(Self::default());
         }
+        let parts = split_top_level(input);
+        at_most("requirements", parts.len(), MAX_LABEL_REQUIREMENTS)?;
         let mut reqs = Vec::new();
-        for raw in split_top_level(input) {
+        let mut values = 0;
+        for raw in parts {
             let part = raw.trim();
             if part.is_empty() {
                 return Err(SelectorError::Syntax(input.to_owned(), "empty requirement"));
@@ -153,6 +178,10 @@ impl LabelSelector {
             } else {
                 Requirement::Exists(Self::key(part)?)
             };
+            if let Requirement::In(_, set) | Requirement::NotIn(_, set) = &req {
+                values += set.len();
+                at_most("values", values, MAX_LABEL_VALUES)?;
+            }
             reqs.push(req);
         }
         Ok(Self(reqs))
@@ -231,8 +260,10 @@ impl FieldSelector {
         if input.is_empty() {
             return Ok(Self::default());
         }
+        let parts: Vec<&str> = input.split(',').collect();
+        at_most("requirements", parts.len(), MAX_FIELD_REQUIREMENTS)?;
         let mut reqs = Vec::new();
-        for part in input.split(',') {
+        for part in parts {
             let part = part.trim();
             let (field, value, equal) = if let Some((f, v)) = part.split_once("!=") {
                 (f, v, false)
@@ -260,6 +291,26 @@ impl FieldSelector {
 
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// The selector of a watch on one object (`…/policyreports/{name}?watch=1`), as
+    /// kube-apiserver makes it: the name as given, never parsed as selector syntax, and a
+    /// `fieldSelector` that pins another name is refused.
+    pub fn for_named_watch(self, name: &str) -> Result<Self, SelectorError> {
+        if self.is_empty() {
+            return Ok(Self(vec![FieldRequirement {
+                field: Field::Name,
+                value: name.to_owned(),
+                equal: true,
+            }]));
+        }
+        match self.pinned(Field::Name) {
+            Some(pinned) if pinned == name => Ok(self),
+            _ => Err(SelectorError::Syntax(
+                self.to_string(),
+                "the fieldSelector's metadata.name does not match the requested name",
+            )),
+        }
     }
 
     pub fn matches(&self, namespace: &str, name: &str) -> bool {

@@ -4,19 +4,21 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto::Builder;
+use futures::FutureExt;
 use rustls::RootCertStore;
 use rustls::server::WebPkiClientVerifier;
 use rustls::sign::CertifiedKey;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
-use tower::ServiceExt;
+use tracing::Instrument;
 
-use crate::auth::PeerCertificates;
+mod connection;
+
+pub use connection::ConnectionLimits;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -184,15 +186,23 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
         .map_err(|e| ServeError::Bind(addr, e))
 }
 
-/// Serves `router` over TLS until `shutdown` is cancelled.
+/// Serves `router` over TLS until `shutdown` is cancelled, each connection within `limits`.
 pub async fn serve(
     listener: TcpListener,
     tls: rustls::ServerConfig,
     router: axum::Router,
+    limits: ConnectionLimits,
     shutdown: CancellationToken,
 ) {
     let acceptor = TlsAcceptor::from(Arc::new(tls));
+    let limits = Arc::new(limits);
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     loop {
+        // At the cap no connection is accepted: clients wait in the listen backlog.
+        let slot = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+        };
         let (tcp, remote) = tokio::select! {
             _ = shutdown.cancelled() => return,
             accepted = listener.accept() => match accepted {
@@ -205,51 +215,18 @@ pub async fn serve(
             },
         };
         let _ = tcp.set_nodelay(true);
-        let acceptor = acceptor.clone();
-        let router = router.clone();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let tls = match tokio::time::timeout(
-                std::time::Duration::from_secs(10),
-                acceptor.accept(tcp),
+        let span = tracing::debug_span!("connection", %remote);
+        tokio::spawn(
+            connection::serve_connection(
+                tcp,
+                acceptor.clone(),
+                router.clone(),
+                limits.clone(),
+                shutdown.clone(),
             )
-            .await
-            {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => {
-                    tracing::debug!(%remote, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => return,
-            };
-            let peer = PeerCertificates(Arc::new(
-                tls.get_ref()
-                    .1
-                    .peer_certificates()
-                    .map(|c| c.to_vec())
-                    .unwrap_or_default(),
-            ));
-            let service = hyper::service::service_fn(
-                move |mut request: hyper::Request<hyper::body::Incoming>| {
-                    request.extensions_mut().insert(peer.clone());
-                    router.clone().oneshot(request.map(axum::body::Body::new))
-                },
-            );
-            let builder = Builder::new(TokioExecutor::new());
-            let connection = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
-            tokio::pin!(connection);
-            tokio::select! {
-                result = connection.as_mut() => {
-                    if let Err(e) = result {
-                        tracing::debug!(%remote, error = %e, "connection ended with an error");
-                    }
-                }
-                _ = shutdown.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), connection).await;
-                }
-            }
-        });
+            .map(move |()| drop(slot))
+            .instrument(span),
+        );
     }
 }
 

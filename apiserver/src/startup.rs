@@ -58,6 +58,8 @@ pub struct ServerConfig {
     pub serving_reload: Option<ServingReload>,
     /// Extra names the generated serving certificate covers (e.g. `<service>.<namespace>.svc`).
     pub serving_names: Vec<String>,
+    /// Bounds on client connections (timeouts, counts).
+    pub connections: server::ConnectionLimits,
 }
 
 /// A running server.
@@ -179,6 +181,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
         listener,
         tls,
         router(state),
+        config.connections.clone(),
         shutdown.clone(),
     ));
     let running = RunningServer {

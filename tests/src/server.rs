@@ -175,6 +175,11 @@ impl ServerProcess {
         &self.log
     }
 
+    /// The process id while it runs (for `/proc/<pid>` readings: memory, threads).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn url(&self) -> String {
         format!("https://127.0.0.1:{}", self.port)
     }

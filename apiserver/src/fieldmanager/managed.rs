@@ -285,7 +285,7 @@ impl ManagedFields {
         };
         let mut excess = updaters.len() - MAX_UPDATE_MANAGERS;
         let mut first_of_version: Vec<(String, usize)> = Vec::new();
-        let mut removed = Vec::new();
+        let mut removed = vec![false; self.entries.len()];
         for &i in &updaters {
             if excess == 0 {
                 break;
@@ -299,22 +299,18 @@ impl ManagedFields {
                 continue;
             };
             let bucket = (0..self.entries.len())
-                .find(|&b| !removed.contains(&b) && is_bucket(&self.entries[b], &version))
+                .find(|&b| !removed[b] && is_bucket(&self.entries[b], &version))
                 .unwrap_or(first);
             let (fields, time) = (self.entries[i].fields.clone(), self.entries[i].time.clone());
             let b = &mut self.entries[bucket];
             b.manager = ANCIENT_CHANGES.into();
             b.fields = b.fields.union(&fields);
             b.time = time;
-            removed.push(i);
+            removed[i] = true;
             excess -= 1;
         }
-        let mut i = 0;
-        self.entries.retain(|_| {
-            let keep = !removed.contains(&i);
-            i += 1;
-            keep
-        });
+        let mut removed = removed.into_iter();
+        self.entries.retain(|_| !removed.next().unwrap_or(false));
     }
 
     /// Takes ownership of what was there before the first apply, as kube-apiserver does for

@@ -31,6 +31,11 @@ pub use self::schema::KindSchema;
 /// kube-apiserver's limit on field manager names (bytes).
 pub const MAX_MANAGER_LENGTH: usize = 128;
 
+/// Entries a request's `metadata.managedFields` may have (422 above). kube-apiserver keeps at
+/// most ten Update entries and one per applier; a real object has a handful. Bounding the
+/// count bounds the set arithmetic a single write can cause.
+pub const MAX_MANAGED_FIELDS_ENTRIES: usize = 256;
+
 /// Why a write could not be recorded.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum FieldManagerError {
@@ -104,17 +109,25 @@ pub fn validate_manager(name: &str) -> Vec<(String, &'static str)> {
             "FieldValueTooLong",
         ));
     }
-    for (i, c) in name.char_indices() {
-        if !printable(c) {
-            problems.push((
-                format!(
-                    "Invalid value: {}: invalid character U+{:04X} (at position {i})",
-                    serde_json::to_string(name).expect("strings serialize"),
-                    c as u32
-                ),
-                "FieldValueInvalid",
-            ));
+    // The first offending character only, and the name cut to the limit: a message must not
+    // grow with the input (one per character of an 8 KiB name, each quoting it, was 121 MiB).
+    if let Some((i, c)) = name.char_indices().find(|(_, c)| !printable(*c)) {
+        let mut shown: String = String::new();
+        for c in name.chars() {
+            if shown.len() + c.len_utf8() > MAX_MANAGER_LENGTH {
+                shown.push('…');
+                break;
+            }
+            shown.push(c);
         }
+        problems.push((
+            format!(
+                "Invalid value: {}: invalid character U+{:04X} (at position {i})",
+                serde_json::to_string(&shown).expect("strings serialize"),
+                c as u32
+            ),
+            "FieldValueInvalid",
+        ));
     }
     problems
 }

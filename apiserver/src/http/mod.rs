@@ -5,16 +5,19 @@
 //! 1. `trace_request`: a span per request (method, path, request id; verb, resource,
 //!    namespace, name and user once known) and one log line for every 5xx with its cause;
 //! 2. `authenticate`: the user, or 401;
-//! 3. `authorize_non_resource` / `authorize_resource`: for resource paths the request is
+//! 3. `limits::limit_request`: requests in flight capped (429) and each given a deadline
+//!    (504), watches exempt;
+//! 4. `authorize_non_resource` / `authorize_resource`: for resource paths the request is
 //!    resolved once into a [`RequestInfo`] (404/400/405 while resolving), then authorized (403);
-//! 4. `observe_request` (resource and group discovery paths): request metrics by verb and
+//! 5. `observe_request` (resource and group discovery paths): request metrics by verb and
 //!    resource;
-//! 5. the handler, which takes the already-resolved, already-authorized request.
+//! 6. the handler, which takes the already-resolved, already-authorized request.
 //!
 //! Object semantics live in [`crate::registry`]; rendering in [`render`]; `v1 Status` errors
 //! in [`status`].
 
 pub mod discovery;
+pub mod limits;
 pub mod negotiate;
 pub mod openapi;
 pub mod render;
@@ -53,6 +56,11 @@ pub struct ApiOptions {
     pub max_request_bytes: usize,
     /// Interval between BOOKMARK events on watches that allow them.
     pub bookmark_interval: Duration,
+    /// Non-watch requests in flight at once: reads, and writes (429 above).
+    pub max_requests_inflight: usize,
+    pub max_mutating_requests_inflight: usize,
+    /// How long a non-watch request may take before it is answered 504.
+    pub request_timeout: Duration,
 }
 
 impl Default for ApiOptions {
@@ -60,6 +68,9 @@ impl Default for ApiOptions {
         ApiOptions {
             max_request_bytes: 3 * 1024 * 1024,
             bookmark_interval: Duration::from_secs(60),
+            max_requests_inflight: 400,
+            max_mutating_requests_inflight: 200,
+            request_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -134,10 +145,19 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             observe_request,
         ));
+    let limits = limits::RequestLimits::new(
+        state.options.max_requests_inflight,
+        state.options.max_mutating_requests_inflight,
+        state.options.request_timeout,
+    );
     let authenticated = non_resource
         .merge(group_discovery)
         .merge(resources)
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            limits,
+            limits::limit_request,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .route("/livez", get(livez))
@@ -552,7 +572,7 @@ async fn resource(
     } = request;
     let result: Result<Response, ApiError> = async {
         let body = if info.verb.has_body() {
-            read_body(body, state.options.max_request_bytes).await?
+            read_body(&headers, body, state.options.max_request_bytes).await?
         } else {
             bytes::Bytes::new()
         };
@@ -563,8 +583,8 @@ async fn resource(
             (Verb::Watch, name) => {
                 if let Some(name) = name {
                     // A watch on a single object is a field-selected watch.
-                    let selector = format!("metadata.name={name}");
-                    params.fields = crate::selector::FieldSelector::parse(&selector)
+                    params.fields = std::mem::take(&mut params.fields)
+                        .for_named_watch(name)
                         .map_err(|e| ApiError::bad_request(e.to_string()))?;
                 }
                 watch::watch(&state, r, &params, &headers).await
@@ -593,7 +613,19 @@ async fn resource(
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
+async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<bytes::Bytes, ApiError> {
+    // A declared length over the limit is refused before any of the body is awaited.
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
     axum::body::to_bytes(body, limit).await.map_err(|e| {
         if std::error::Error::source(&e).is_some_and(|s| s.to_string().contains("length limit"))
             || e.to_string().contains("length limit")

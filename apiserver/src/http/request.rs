@@ -150,6 +150,9 @@ fn parse_path(rest: &str) -> Result<(ResourceRef, Option<String>, Option<String>
     ))
 }
 
+/// The largest page a list returns; a larger `limit` is clamped to it.
+pub const MAX_LIST_LIMIT: i64 = 1_000_000;
+
 /// Query parameters of resource requests, validated.
 #[derive(Clone, Debug, Default)]
 pub struct Params {
@@ -212,7 +215,9 @@ impl Params {
                     let n: i64 = v.parse().map_err(|_| {
                         ApiError::bad_request(format!("limit: invalid integer {v:?}"))
                     })?;
-                    p.limit = (n > 0).then_some(n as u64);
+                    // The server may always return fewer items than asked (with a continue
+                    // token); beyond this no page is meaningful and the SQL binding overflows.
+                    p.limit = (n > 0).then_some(n.min(MAX_LIST_LIMIT) as u64);
                 }
                 "continue" => p.continue_token = Some(v.clone()).filter(|s| !s.is_empty()),
                 "resourceVersion" => p.resource_version = Some(v.clone()).filter(|s| !s.is_empty()),
@@ -284,9 +289,13 @@ pub fn decode_body_noting_duplicates(
     match media.as_str() {
         "application/json" | "" => crate::registry::fields::parse_noting_duplicates(body)
             .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}"))),
-        "application/yaml" | "application/x-yaml" | "text/yaml" => serde_yaml::from_slice(body)
-            .map(|value| (value, Vec::new()))
-            .map_err(|e| ApiError::bad_request(format!("the request body is not valid YAML: {e}"))),
+        "application/yaml" | "application/x-yaml" | "text/yaml" => {
+            crate::registry::fields::parse_yaml(body)
+                .map(|value| (value, Vec::new()))
+                .map_err(|e| {
+                    ApiError::bad_request(format!("the request body is not valid YAML: {e}"))
+                })
+        }
         other => Err(ApiError::unsupported_media_type(other)),
     }
 }

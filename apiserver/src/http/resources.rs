@@ -18,6 +18,7 @@ use super::status::ApiError;
 use super::table::IncludeObject;
 use crate::fieldmanager;
 use crate::registry::fields;
+use crate::registry::patch::ObjectLimits;
 use crate::registry::{
     Cause, DeletePreconditions, FieldValidation, Patch, RegistryError, ResourceRef, Validation,
     WriteOptions, Written,
@@ -123,11 +124,19 @@ fn field_manager(
     Ok(fieldmanager::manager_from_user_agent(agent))
 }
 
-fn write_options(params: &Params, manager: String, duplicates: Vec<String>) -> WriteOptions {
+fn write_options(
+    state: &AppState,
+    params: &Params,
+    manager: String,
+    duplicates: Vec<String>,
+) -> WriteOptions {
     WriteOptions {
         dry_run: params.dry_run,
         manager,
         validation: validation(params, duplicates),
+        limits: ObjectLimits {
+            max_object_bytes: state.options.max_request_bytes,
+        },
     }
 }
 
@@ -161,7 +170,7 @@ pub async fn create(
     let n = accept(headers, Target::Object)?;
     let manager = field_manager(params, headers, "CreateOptions", Vec::new(), false)?;
     let (object, duplicates) = decode_body_noting_duplicates(content_type(headers), &body)?;
-    let options = write_options(params, manager, duplicates);
+    let options = write_options(state, params, manager, duplicates);
     let written = state.registry.create(r, object, &options).await?;
     Ok(written_response(StatusCode::CREATED, r, n, &written))
 }
@@ -177,7 +186,7 @@ pub async fn update(
     let n = accept(headers, Target::Object)?;
     let manager = field_manager(params, headers, "UpdateOptions", Vec::new(), false)?;
     let (desired, duplicates) = decode_body_noting_duplicates(content_type(headers), &body)?;
-    let options = write_options(params, manager, duplicates);
+    let options = write_options(state, params, manager, duplicates);
     let written = state.registry.update(r, name, desired, &options).await?;
     Ok(written_response(StatusCode::OK, r, n, &written))
 }
@@ -217,7 +226,7 @@ pub async fn patch(
         "application/apply-patch+yaml" => {
             let manager = field_manager(params, headers, "PatchOptions", Vec::new(), true)?;
             let (config, duplicates) = decode_apply_body(&body)?;
-            let options = write_options(params, manager, duplicates);
+            let options = write_options(state, params, manager, duplicates);
             let written = state
                 .registry
                 .apply(r, name, config, force.unwrap_or(false), &options)
@@ -270,7 +279,7 @@ pub async fn patch(
                 .map_err(|e| ApiError::bad_request(format!("the JSON patch is malformed: {e}")))?,
         )
     };
-    let options = write_options(params, manager, duplicates);
+    let options = write_options(state, params, manager, duplicates);
     let written = state.registry.patch(r, name, &patch, &options).await?;
     Ok(written_response(StatusCode::OK, r, n, &written))
 }
@@ -285,7 +294,7 @@ fn decode_apply_body(body: &[u8]) -> Result<(Value, Vec<String>), ApiError> {
     {
         return Ok(parsed);
     }
-    let v: Value = serde_yaml::from_str(text)
+    let v: Value = fields::parse_yaml(text.as_bytes())
         .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?;
     Ok((v, Vec::new()))
 }

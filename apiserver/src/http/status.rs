@@ -18,6 +18,8 @@ pub struct ApiError {
     pub details: Option<Box<Value>>,
     /// Extra metadata for the Status (a fresh continue token on 410).
     pub continue_token: Option<String>,
+    /// What went wrong below, for the log only: a database driver's text is never sent.
+    pub cause: Option<String>,
 }
 
 impl ApiError {
@@ -28,7 +30,14 @@ impl ApiError {
             message: message.into(),
             details: None,
             continue_token: None,
+            cause: None,
         }
+    }
+
+    /// Keeps `cause` for the server's log line of this error; the client sees the message.
+    pub fn with_cause(mut self, cause: impl Into<String>) -> Self {
+        self.cause = Some(cause.into());
+        self
     }
 
     pub fn with_details(mut self, details: Value) -> Self {
@@ -225,15 +234,26 @@ impl From<RegistryError> for ApiError {
             RegistryError::NamespaceTerminating(namespace) => ApiError::forbidden(message)
                 .with_details(json!({"causes": [{"reason": "NamespaceTerminating", "message": format!("namespace {namespace} is being terminated"), "field": "metadata.namespace"}]})),
             RegistryError::Unavailable(_) => ApiError::unavailable(message),
+            RegistryError::TooLarge(_) => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "RequestEntityTooLarge", message)
+            }
             RegistryError::Internal(_) => ApiError::internal(message),
             RegistryError::Store(StoreError::AlreadyExists) => ApiError::new(
                 StatusCode::CONFLICT,
                 "AlreadyExists",
                 "object already exists",
             ),
-            RegistryError::Store(StoreError::Unavailable { message, .. }) => ApiError::unavailable(
-                format!("the database is unavailable, retry later: {message}"),
-            ),
+            RegistryError::Store(StoreError::Unavailable { message, .. }) => {
+                ApiError::unavailable("the database is unavailable; retry later").with_cause(message)
+            }
+            RegistryError::Store(StoreError::Refused { refusal, source }) => {
+                ApiError::unavailable(format!("{refusal}; retry later"))
+                    .with_cause(source.to_string())
+            }
+            RegistryError::Store(e @ StoreError::Database(_)) => ApiError::internal(
+                "the database failed to run the request; the server's log has the cause",
+            )
+            .with_cause(e.to_string()),
             RegistryError::Store(other) => ApiError::internal(other.to_string()),
         }
     }
@@ -253,9 +273,11 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         if self.code.is_server_error() {
-            response
-                .extensions_mut()
-                .insert(super::ErrorCause(self.message));
+            let cause = match self.cause {
+                Some(cause) => format!("{}: {cause}", self.message),
+                None => self.message,
+            };
+            response.extensions_mut().insert(super::ErrorCause(cause));
         }
         response
     }

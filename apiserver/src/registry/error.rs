@@ -88,6 +88,10 @@ pub enum RegistryError {
     /// NamespaceLifecycle: the namespace of a create is being deleted.
     #[error("unable to create new content in namespace {0} because it is being terminated")]
     NamespaceTerminating(String),
+    /// The request would make the server build something beyond a limit (a JSON patch with
+    /// too many operations, a patched object over the size limit): 413.
+    #[error("{0}")]
+    TooLarge(String),
     /// A dependency other than the database (the cluster, for admission) did not answer.
     #[error("{0}")]
     Unavailable(String),
@@ -176,10 +180,12 @@ impl RegistryError {
             RegistryError::Gone { .. } => "Expired",
             RegistryError::ResourceVersionTooLarge { .. } => "Timeout",
             RegistryError::NamespaceTerminating(_) => "Forbidden",
+            RegistryError::TooLarge(_) => "RequestEntityTooLarge",
             RegistryError::Unavailable(_) => "ServiceUnavailable",
             RegistryError::Internal(_) => "InternalError",
             RegistryError::Store(StoreError::AlreadyExists) => "AlreadyExists",
             RegistryError::Store(e) if e.is_unavailable() => "ServiceUnavailable",
+            RegistryError::Store(StoreError::Refused { .. }) => "ServiceUnavailable",
             RegistryError::Store(_) => "InternalError",
         }
     }

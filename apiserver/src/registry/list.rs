@@ -121,6 +121,35 @@ pub fn list_query(
     Ok((query, fingerprint, token))
 }
 
+/// A `resourceVersion` parameter: a non-negative integer (`0` means "any").
+pub fn parse_resource_version(rv: &str) -> Result<i64, RegistryError> {
+    match rv.parse::<i64>() {
+        Ok(n) if n >= 0 => Ok(n),
+        _ => Err(RegistryError::bad_request(format!(
+            "resourceVersion: invalid value {rv:?}: must be a non-negative integer"
+        ))),
+    }
+}
+
+/// A continue token from a newer state than the store's (forged, or from before a restore or
+/// a failover to a replica that lags): the client must not read a page as of a version the
+/// store never reached, or an informer would silently miss the changes in between.
+pub fn check_continue_version(
+    token: Option<&ContinueToken>,
+    current: i64,
+) -> Result<(), RegistryError> {
+    match token {
+        Some(t) if t.resource_version < 0 => Err(RegistryError::bad_request(
+            "continue: the token carries an invalid resourceVersion",
+        )),
+        Some(t) if t.resource_version > current => Err(RegistryError::ResourceVersionTooLarge {
+            requested: t.resource_version,
+            current,
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Checks a list's `resourceVersion`/`resourceVersionMatch` against what the store can serve.
 pub fn check_list_version(
     options: &ListOptions,
@@ -135,9 +164,7 @@ pub fn check_list_version(
         }
         return Ok(());
     };
-    let n: i64 = rv.parse().map_err(|_| {
-        RegistryError::bad_request(format!("resourceVersion: invalid value {rv:?}"))
-    })?;
+    let n = parse_resource_version(rv)?;
     if n > current {
         return Err(RegistryError::ResourceVersionTooLarge {
             requested: n,

@@ -19,6 +19,7 @@ pub mod error;
 pub mod fields;
 pub mod list;
 pub mod operations;
+pub mod patch;
 pub mod rules;
 
 use reports_server_crds::ResourceDescriptor;

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::list::{ListPageStream, check_list_version, list_query};
+use super::list::{ListPageStream, check_continue_version, check_list_version, list_query};
+use super::patch::{ObjectLimits, PatchFailure, apply_json_patch, apply_merge_patch};
 use super::rules::{
     DeletePreconditions, Validation, decide_apply, decide_delete, decide_update_as,
     prepare_create_as,
@@ -29,6 +30,8 @@ pub struct WriteOptions {
     /// The field manager recorded in `managedFields`.
     pub manager: String,
     pub validation: Validation,
+    /// Bounds on the object the write builds (a patch's result).
+    pub limits: ObjectLimits,
 }
 
 /// The result of a write: the object as stored (or as it would be, on a dry run).
@@ -168,6 +171,7 @@ impl Registry {
         let (query, fingerprint, token) = list_query(r, options, metadata_only)?;
         let rows = self.store.list_stream(&query).await?;
         check_list_version(options, rows.resource_version(), rows.compacted())?;
+        check_continue_version(token.as_ref(), rows.resource_version())?;
         let resource_version = match &token {
             Some(t) => t.resource_version,
             None => rows.resource_version(),
@@ -285,17 +289,19 @@ impl Registry {
         self.rewrite(r, name, options, |current| {
             let mut patched = current.clone();
             match patch {
-                Patch::Json(p) => json_patch::patch(&mut patched, p).map_err(|e| {
-                    RegistryError::invalid_field(
-                        r.resource,
-                        name,
-                        "",
-                        format!("the JSON patch could not be applied: {e}"),
-                        "FieldValueInvalid",
-                    )
-                })?,
-                Patch::Merge(p) => json_patch::merge(&mut patched, p),
+                Patch::Json(p) => apply_json_patch(&mut patched, p, &options.limits),
+                Patch::Merge(p) => apply_merge_patch(&mut patched, p, &options.limits),
             }
+            .map_err(|failure| match failure {
+                PatchFailure::Invalid(_) => RegistryError::invalid_field(
+                    r.resource,
+                    name,
+                    "",
+                    failure.to_string(),
+                    "FieldValueInvalid",
+                ),
+                PatchFailure::TooLarge(message) => RegistryError::TooLarge(message),
+            })?;
             Ok(patched)
         })
         .await

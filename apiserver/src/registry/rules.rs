@@ -151,6 +151,24 @@ fn check_and_prune(path: &ResourceRef, mut object: Value) -> Result<(Value, Valu
     let metadata = map
         .entry("metadata")
         .or_insert_with(|| Value::Object(Map::new()));
+    // Before any field-set arithmetic: its cost grows with the entries a client may send.
+    if let Some(entries) = metadata.get("managedFields").and_then(Value::as_array)
+        && entries.len() > crate::fieldmanager::MAX_MANAGED_FIELDS_ENTRIES
+    {
+        return Err(RegistryError::invalid(
+            desc,
+            metadata.get("name").and_then(Value::as_str).unwrap_or(""),
+            vec![Cause::new(
+                "metadata.managedFields",
+                format!(
+                    "Too many: {}: must have at most {} items",
+                    entries.len(),
+                    crate::fieldmanager::MAX_MANAGED_FIELDS_ENTRIES
+                ),
+                "FieldValueTooMany",
+            )],
+        ));
+    }
     match (
         &path.namespace,
         metadata.get("namespace").and_then(Value::as_str),

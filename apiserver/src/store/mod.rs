@@ -58,6 +58,14 @@ pub enum StoreError {
         #[source]
         source: Option<DbErr>,
     },
+    /// The database answered but refuses the work for now: read-only (a standby, a failover
+    /// under way), out of disk, or too busy (lock timeouts, serialization failures).
+    #[error("{refusal}: {source}")]
+    Refused {
+        refusal: Refusal,
+        #[source]
+        source: DbErr,
+    },
     /// The database answered with an error a retry will not fix.
     #[error("database error: {0}")]
     Database(#[source] DbErr),
@@ -84,6 +92,10 @@ impl StoreError {
     pub(super) fn duplicate(&self) -> StoreError {
         match self {
             StoreError::Unavailable { message, .. } => StoreError::unavailable(message.clone()),
+            StoreError::Refused { refusal, source } => StoreError::Refused {
+                refusal: *refusal,
+                source: DbErr::Custom(source.to_string()),
+            },
             StoreError::Database(e) => StoreError::Database(DbErr::Custom(e.to_string())),
             StoreError::Inconsistent(m) => StoreError::Inconsistent(m.clone()),
             StoreError::Corrupt(what, why) => StoreError::Corrupt(what.clone(), why.clone()),
@@ -107,9 +119,61 @@ impl From<DbErr> for StoreError {
                 message: e.to_string(),
                 source: Some(e),
             }
+        } else if let Some(refusal) = refusal(&e) {
+            StoreError::Refused { refusal, source: e }
         } else {
             StoreError::Database(e)
         }
+    }
+}
+
+/// Why a database that answered will not do the work now (it may later).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("the database is read-only (a standby, or a failover in progress)")]
+    ReadOnly,
+    #[error("the database is out of disk space")]
+    DiskFull,
+    #[error("the database is busy (locked, or the transaction conflicted with another)")]
+    Busy,
+}
+
+/// The refusal an error reports, from each backend's own error codes.
+fn refusal(e: &DbErr) -> Option<Refusal> {
+    let (DbErr::Exec(sea_orm::RuntimeErr::SqlxError(s))
+    | DbErr::Query(sea_orm::RuntimeErr::SqlxError(s))) = e
+    else {
+        return None;
+    };
+    let sqlx::Error::Database(db) = s.as_ref() else {
+        return None;
+    };
+    let code = db.code()?;
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        // Extended result codes: the primary code is the low byte.
+        return match code.parse::<i64>().ok()? & 0xff {
+            5 | 6 => Some(Refusal::Busy),
+            8 => Some(Refusal::ReadOnly),
+            13 => Some(Refusal::DiskFull),
+            _ => None,
+        };
+    }
+    if db
+        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .is_some()
+    {
+        return match code.as_ref() {
+            "1290" | "1792" => Some(Refusal::ReadOnly),
+            "1021" | "1114" => Some(Refusal::DiskFull),
+            "1205" | "1213" => Some(Refusal::Busy),
+            _ => None,
+        };
+    }
+    match code.as_ref() {
+        "25006" => Some(Refusal::ReadOnly),
+        "53100" => Some(Refusal::DiskFull),
+        "40001" | "40P01" | "55P03" => Some(Refusal::Busy),
+        _ => None,
     }
 }
 

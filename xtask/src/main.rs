@@ -1,0 +1,116 @@
+//! `cargo xtask`: the project's automation, written in Rust so it runs wherever cargo does.
+//!
+//! `cargo xtask test` is the README's test command and what CI runs. `cargo test --workspace`
+//! runs its test binaries one after another, and most of their time is spent waiting: on a
+//! kube-apiserver to start, a garbage collector to rediscover resources, Kyverno to scan. So this
+//! builds every test binary once, then runs several at a time, longest first (durations
+//! remembered from earlier runs), each with its output in its own log, and prints one line per
+//! binary and a summary with every binary's wall time. `--fast` is the contributors' tier: the
+//! unit and property tests of every crate, no servers.
+
+#![forbid(unsafe_code)]
+
+mod artefacts;
+mod run;
+mod schedule;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "reports-server's project automation")]
+enum Command {
+    /// Build the workspace's test binaries once and run them concurrently.
+    Test(TestArgs),
+}
+
+#[derive(clap::Args)]
+struct TestArgs {
+    /// How many test binaries run at once. Each binary still runs its own tests on as many
+    /// threads as libtest gives it; end-to-end binaries mostly wait, so more jobs than cores pay.
+    #[arg(long, short, env = "REPORTS_SERVER_TEST_JOBS", default_value_t = 3)]
+    jobs: usize,
+    /// The fast tier: the unit and property tests of every crate (`--lib --bins`), no real
+    /// servers, control planes or databases.
+    #[arg(long)]
+    fast: bool,
+    /// Run only the binaries whose name (as printed, e.g. `tests/conformance`) contains one of
+    /// these; repeatable.
+    #[arg(long = "only", value_name = "NAME")]
+    only: Vec<String>,
+    /// Arguments given to every test binary, after `--`: a test-name filter, `--nocapture`,
+    /// `--test-threads 1`.
+    #[arg(last = true)]
+    test_args: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    match Command::parse() {
+        Command::Test(args) => match test(args) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(e) => {
+                eprintln!("xtask: {e:#}");
+                ExitCode::from(2)
+            }
+        },
+    }
+}
+
+/// Builds, plans and runs; `Ok(false)` when some binary failed.
+fn test(args: TestArgs) -> Result<bool> {
+    let workspace = workspace_root();
+    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|d| {
+            if d.is_relative() {
+                workspace.join(d)
+            } else {
+                d
+            }
+        })
+        .unwrap_or_else(|| workspace.join("target"));
+    let built = artefacts::build(&workspace, args.fast)?;
+    let mut jobs = built.jobs;
+    if !args.fast && args.only.is_empty() {
+        jobs.push(artefacts::doc_tests(&workspace));
+    }
+    jobs.retain(|job| args.only.is_empty() || args.only.iter().any(|o| job.name.contains(o)));
+    if jobs.is_empty() {
+        anyhow::bail!("no test binary matches --only {:?}", args.only);
+    }
+    let history_path = target_dir.join("xtask").join("test-durations.json");
+    let history = schedule::History::load(&history_path);
+    let jobs = schedule::longest_first(jobs, |job| history.seconds(&job.name));
+    let settings = run::Settings {
+        jobs: args.jobs.max(1),
+        log_dir: target_dir.join("xtask").join("logs"),
+        test_args: args.test_args,
+        server_binary: built.server_binary,
+    };
+    let outcomes = run::run_all(jobs, &settings)?;
+    let mut history = history;
+    for outcome in &outcomes {
+        if outcome.passed() {
+            history.record(&outcome.name, outcome.wall.as_secs_f64());
+        }
+    }
+    if let Err(e) = history.save(&history_path) {
+        eprintln!(
+            "xtask: cannot remember durations in {}: {e}",
+            history_path.display()
+        );
+    }
+    Ok(run::report(&outcomes))
+}
+
+/// The workspace root: xtask's own directory's parent.
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives inside the workspace")
+        .to_path_buf()
+}

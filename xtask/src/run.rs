@@ -1,0 +1,272 @@
+//! Runs the jobs in a fixed number of slots, each job's output in its own log file, and says as
+//! it goes what started, what ended and what is still running, so a long CI run never looks hung.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::path::PathBuf;
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+
+use crate::artefacts::Job;
+
+/// How the jobs run.
+pub struct Settings {
+    pub jobs: usize,
+    pub log_dir: PathBuf,
+    pub test_args: Vec<String>,
+    pub server_binary: Option<PathBuf>,
+}
+
+/// How one job ended.
+pub struct Outcome {
+    pub name: String,
+    pub wall: Duration,
+    /// `None` when the process could not be started at all.
+    pub status: Option<ExitStatus>,
+    pub spawn_error: Option<String>,
+    pub counts: Counts,
+    pub log: PathBuf,
+}
+
+impl Outcome {
+    pub fn passed(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+}
+
+/// The sums of libtest's `test result:` lines.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    pub passed: u64,
+    pub failed: u64,
+    pub ignored: u64,
+}
+
+const PROGRESS_EVERY: Duration = Duration::from_secs(60);
+
+enum Event {
+    Started(String),
+    Ended(Outcome),
+}
+
+/// Runs every job; returns their outcomes in the order they ended.
+pub fn run_all(jobs: Vec<Job>, settings: &Settings) -> Result<Vec<Outcome>> {
+    std::fs::create_dir_all(&settings.log_dir)
+        .with_context(|| format!("creating {}", settings.log_dir.display()))?;
+    let total = jobs.len();
+    let queue = Mutex::new(VecDeque::from(jobs));
+    let (events, received) = mpsc::channel();
+    let started = Instant::now();
+    eprintln!(
+        "xtask: running {total} test binaries, {} at a time; logs in {}",
+        settings.jobs,
+        settings.log_dir.display()
+    );
+    let outcomes = std::thread::scope(|scope| {
+        for _ in 0..settings.jobs.min(total) {
+            let events = events.clone();
+            let queue = &queue;
+            scope.spawn(move || {
+                while let Some(job) = queue.lock().expect("queue lock").pop_front() {
+                    let _ = events.send(Event::Started(job.name.clone()));
+                    let _ = events.send(Event::Ended(run_one(&job, settings)));
+                }
+            });
+        }
+        drop(events);
+        follow(received, total, started)
+    });
+    Ok(outcomes)
+}
+
+/// Prints each start and end as it happens and a line of what is running every minute.
+fn follow(received: mpsc::Receiver<Event>, total: usize, started: Instant) -> Vec<Outcome> {
+    let mut running: Vec<(String, Instant)> = Vec::new();
+    let mut outcomes = Vec::with_capacity(total);
+    let mut last_progress = Instant::now();
+    loop {
+        match received.recv_timeout(PROGRESS_EVERY) {
+            Ok(Event::Started(name)) => running.push((name, Instant::now())),
+            Ok(Event::Ended(outcome)) => {
+                running.retain(|(name, _)| *name != outcome.name);
+                eprintln!(
+                    "xtask: [{}/{total}] {} {} in {:.0} s ({}; {:.0} s since start)",
+                    outcomes.len() + 1,
+                    if outcome.passed() { "ok    " } else { "FAILED" },
+                    outcome.name,
+                    outcome.wall.as_secs_f64(),
+                    describe(&outcome),
+                    started.elapsed().as_secs_f64()
+                );
+                outcomes.push(outcome);
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return outcomes,
+        }
+        if last_progress.elapsed() >= PROGRESS_EVERY && !running.is_empty() {
+            let list: Vec<String> = running
+                .iter()
+                .map(|(name, since)| format!("{name} ({:.0} s)", since.elapsed().as_secs_f64()))
+                .collect();
+            eprintln!("xtask: still running: {}", list.join(", "));
+            last_progress = Instant::now();
+        }
+    }
+}
+
+fn run_one(job: &Job, settings: &Settings) -> Outcome {
+    let log = settings
+        .log_dir
+        .join(format!("{}.log", job.name.replace(['/', ':'], "-")));
+    let started = Instant::now();
+    let result = spawn_and_wait(job, settings, &log);
+    let wall = started.elapsed();
+    let counts = std::fs::read_to_string(&log)
+        .map(|text| count_results(&text))
+        .unwrap_or_default();
+    let (status, spawn_error) = match result {
+        Ok(status) => (Some(status), None),
+        Err(e) => (None, Some(format!("{e:#}"))),
+    };
+    Outcome {
+        name: job.name.clone(),
+        wall,
+        status,
+        spawn_error,
+        counts,
+        log,
+    }
+}
+
+fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<ExitStatus> {
+    let out = File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    let mut command = Command::new(&job.program);
+    // Not even cargo test's own package variables: a test that runs cargo (to build an image)
+    // must see the environment a cargo started from the shell sees, or it rebuilds everything.
+    crate::artefacts::without_run_env(&mut command)
+        .args(&job.args)
+        .args(&settings.test_args)
+        .current_dir(&job.cwd)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out);
+    if let Some(server) = &settings.server_binary
+        && std::env::var_os("REPORTS_SERVER_BIN").is_none()
+    {
+        command.env("REPORTS_SERVER_BIN", server);
+    }
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("starting {}", job.program.display()))?;
+    Ok(child.wait()?)
+}
+
+fn describe(outcome: &Outcome) -> String {
+    if let Some(e) = &outcome.spawn_error {
+        return e.clone();
+    }
+    let c = outcome.counts;
+    let mut text = format!("{} passed", c.passed);
+    if c.failed > 0 {
+        text += &format!(", {} failed", c.failed);
+    }
+    if c.ignored > 0 {
+        text += &format!(", {} ignored", c.ignored);
+    }
+    match outcome.status {
+        Some(s) if !s.success() && c.failed == 0 => format!("{text}; exited with {s}"),
+        _ => text,
+    }
+}
+
+/// Sums every `test result: ok. 3 passed; 0 failed; 1 ignored; …` line of a log.
+fn count_results(log: &str) -> Counts {
+    let mut counts = Counts::default();
+    for line in log.lines() {
+        let Some(rest) = line.trim_start().strip_prefix("test result: ") else {
+            continue;
+        };
+        for part in rest.split(';') {
+            let mut words = part.split_whitespace().rev();
+            let (Some(what), Some(n)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(n) = n.parse::<u64>() else { continue };
+            match what {
+                "passed" => counts.passed += n,
+                "failed" => counts.failed += n,
+                "ignored" => counts.ignored += n,
+                _ => {}
+            }
+        }
+    }
+    counts
+}
+
+/// Prints the failed jobs' logs and a table of every job; true when all passed.
+pub fn report(outcomes: &[Outcome]) -> bool {
+    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| !o.passed()).collect();
+    for outcome in &failed {
+        eprintln!(
+            "\n==== {} FAILED; its log ({}) ====",
+            outcome.name,
+            outcome.log.display()
+        );
+        match std::fs::read_to_string(&outcome.log) {
+            Ok(text) => eprintln!("{text}"),
+            Err(e) => eprintln!("(cannot read the log: {e})"),
+        }
+    }
+    let mut by_time: Vec<&Outcome> = outcomes.iter().collect();
+    by_time.sort_by_key(|o| std::cmp::Reverse(o.wall));
+    eprintln!("\nxtask: wall time per test binary");
+    for outcome in by_time {
+        eprintln!(
+            "  {:>7.1} s  {:<6}  {:<40} {}",
+            outcome.wall.as_secs_f64(),
+            if outcome.passed() { "ok" } else { "FAILED" },
+            outcome.name,
+            describe(outcome)
+        );
+    }
+    let totals = outcomes.iter().fold(Counts::default(), |mut sum, o| {
+        sum.passed += o.counts.passed;
+        sum.failed += o.counts.failed;
+        sum.ignored += o.counts.ignored;
+        sum
+    });
+    eprintln!(
+        "xtask: {} binaries, {} failed; {} tests passed, {} failed, {} ignored",
+        outcomes.len(),
+        failed.len(),
+        totals.passed,
+        totals.failed,
+        totals.ignored
+    );
+    failed.is_empty()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_lines_are_summed_and_other_lines_ignored() {
+        let log = "running 3 tests\n\
+                   test a ... ok\n\
+                   test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s\n\
+                   some output mentioning 7 passed\n\
+                   test result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 5 filtered out\n";
+        assert_eq!(
+            count_results(log),
+            Counts {
+                passed: 5,
+                failed: 1,
+                ignored: 1
+            }
+        );
+    }
+}
