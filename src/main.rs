@@ -15,6 +15,7 @@ mod apiservices;
 mod bench;
 #[cfg(feature = "bench")]
 mod bench_aggregation;
+mod database_url;
 mod limits_cli;
 mod migrate_cli;
 mod operator_cli;
@@ -282,15 +283,8 @@ impl DatabaseArgs {
         if let Some(url) = &self.database_url {
             return Ok(url.clone());
         }
-        if let Ok(host) = std::env::var("DB_HOST") {
-            let var = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_owned());
-            return Ok(format!(
-                "postgres://{}:{}@{host}:{}/{}",
-                var("DB_USER", "postgres"),
-                var("DB_PASSWORD", ""),
-                var("DB_PORT", "5432"),
-                var("DB_DATABASE", "reportsdb")
-            ));
+        if let Some(url) = database_url::from_peer_variables(|name| std::env::var(name).ok()) {
+            return Ok(url);
         }
         let dir = PathBuf::from(&self.data_dir);
         std::fs::create_dir_all(&dir)

@@ -10,10 +10,12 @@
 //!   `system:masters` is allowed without asking, which kube-aggregator's availability probe
 //!   relies on.
 //! * Admission: creates in a namespace that does not exist or is terminating are refused.
+//!
+//! Both review caches are bounded ([`review_cache`]).
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
@@ -35,8 +37,14 @@ use crate::auth::{
 };
 use crate::registry::{Admission, RegistryError};
 
+mod review_cache;
+
+use review_cache::ReviewCache;
+
 const CONFIGMAP: &str = "extension-apiserver-authentication";
 const CACHE_TTL: Duration = Duration::from_secs(10);
+/// Answers kept per cache; beyond it the oldest are evicted one by one.
+const CACHE_ENTRIES: usize = 10_000;
 
 /// What `extension-apiserver-authentication` says.
 #[derive(Clone)]
@@ -209,7 +217,7 @@ pub fn identity_from_headers(
 pub struct DelegatedAuthenticator {
     config: Arc<RwLock<Arc<AuthenticationConfig>>>,
     client: kube::Client,
-    tokens: Mutex<HashMap<String, (Option<UserInfo>, Instant)>>,
+    tokens: ReviewCache<Option<UserInfo>>,
 }
 
 impl DelegatedAuthenticator {
@@ -229,7 +237,7 @@ impl DelegatedAuthenticator {
         let this = Arc::new(DelegatedAuthenticator {
             config: shared.clone(),
             client,
-            tokens: Mutex::new(HashMap::new()),
+            tokens: ReviewCache::new(CACHE_TTL, CACHE_ENTRIES),
         });
         let watched = shared.clone();
         tokio::spawn(async move {
@@ -261,12 +269,14 @@ impl DelegatedAuthenticator {
     }
 
     async fn token_review(&self, token: &str) -> Result<Option<UserInfo>, AuthError> {
-        use sha2::Digest;
-        let key = hex::encode(sha2::Sha256::digest(token.as_bytes()));
-        if let Some((user, at)) = self.tokens.lock().expect("token cache").get(&key)
-            && at.elapsed() < CACHE_TTL
-        {
-            return Ok(user.clone());
+        let key = ReviewCache::<Option<UserInfo>>::key(&[token.as_bytes()]);
+        if let Some(user) = self.tokens.get(&key) {
+            return Ok(user);
+        }
+        let _turn = self.tokens.turn().await;
+        // Another request may have asked for the same token while this one waited.
+        if let Some(user) = self.tokens.get(&key) {
+            return Ok(user);
         }
         let api: Api<TokenReview> = Api::all(self.client.clone());
         let review = TokenReview {
@@ -291,11 +301,7 @@ impl DelegatedAuthenticator {
         } else {
             None
         };
-        let mut cache = self.tokens.lock().expect("token cache");
-        if cache.len() > 10_000 {
-            cache.clear();
-        }
-        cache.insert(key, (user.clone(), Instant::now()));
+        self.tokens.insert(key, user.clone());
         Ok(user)
     }
 }
@@ -416,20 +422,18 @@ impl ClientCertVerifier for DynamicClientVerifier {
     }
 }
 
-/// An authorization answer (`Err` carries the denial reason) and when it was obtained.
-type CachedDecision = (Result<(), String>, Instant);
-
-/// Authorizes with SubjectAccessReviews, caching allowed and denied answers.
+/// Authorizes with SubjectAccessReviews, caching allowed and denied answers (`Err` carries the
+/// denial reason).
 pub struct SarAuthorizer {
     client: kube::Client,
-    cache: Mutex<HashMap<String, CachedDecision>>,
+    cache: ReviewCache<Result<(), String>>,
 }
 
 impl SarAuthorizer {
     pub fn new(client: kube::Client) -> Self {
         SarAuthorizer {
             client,
-            cache: Mutex::new(HashMap::new()),
+            cache: ReviewCache::new(CACHE_TTL, CACHE_ENTRIES),
         }
     }
 }
@@ -444,14 +448,20 @@ impl Authorizer for SarAuthorizer {
         if user.groups.iter().any(|g| g == "system:masters") {
             return Ok(Ok(()));
         }
-        let key = format!(
-            "{}\u{0}{:?}\u{0}{:?}\u{0}{:?}\u{0}{a:?}",
-            user.name, user.groups, user.uid, user.extra
-        );
-        if let Some((decision, at)) = self.cache.lock().expect("sar cache").get(&key)
-            && at.elapsed() < CACHE_TTL
-        {
-            return Ok(decision.clone());
+        let key = ReviewCache::<Result<(), String>>::key(&[
+            user.name.as_bytes(),
+            format!(
+                "{:?}\u{0}{:?}\u{0}{:?}\u{0}{a:?}",
+                user.groups, user.uid, user.extra
+            )
+            .as_bytes(),
+        ]);
+        if let Some(decision) = self.cache.get(&key) {
+            return Ok(decision);
+        }
+        let _turn = self.cache.turn().await;
+        if let Some(decision) = self.cache.get(&key) {
+            return Ok(decision);
         }
         let spec = SubjectAccessReviewSpec {
             user: Some(user.name.clone()),
@@ -489,11 +499,7 @@ impl Authorizer for SarAuthorizer {
         } else {
             Err(status.reason.unwrap_or_default())
         };
-        let mut cache = self.cache.lock().expect("sar cache");
-        if cache.len() > 10_000 {
-            cache.clear();
-        }
-        cache.insert(key, (decision.clone(), Instant::now()));
+        self.cache.insert(key, decision.clone());
         Ok(decision)
     }
 }

@@ -87,6 +87,11 @@ impl Harness {
 
     /// The server answers, the seeded report is as it was, and its peak memory stayed bounded.
     async fn assert_healthy(&self, case: &str, before: &Value) {
+        self.assert_healthy_within(case, before, MEMORY_BOUND_MIB)
+            .await;
+    }
+
+    async fn assert_healthy_within(&self, case: &str, before: &Value, bound_mib: u64) {
         let (status, now) = self
             .raw(
                 "GET",
@@ -103,8 +108,8 @@ impl Harness {
         let grown = peak_mib(&self.server).saturating_sub(self.baseline_mib);
         eprintln!("[hostile] {case}: peak memory +{grown} MiB");
         assert!(
-            grown <= MEMORY_BOUND_MIB,
-            "{case}: peak memory grew by {grown} MiB (bound {MEMORY_BOUND_MIB} MiB)"
+            grown <= bound_mib,
+            "{case}: peak memory grew by {grown} MiB (bound {bound_mib} MiB)"
         );
     }
 
@@ -126,6 +131,28 @@ impl Harness {
         case: &str,
         hostile: F,
     ) -> T {
+        let (result, slowest, bound) = self.measure_unrelated_creates(case, hostile).await;
+        assert!(
+            slowest <= bound,
+            "{case}: a create took {slowest:?} (bound {bound:?})"
+        );
+        result
+    }
+
+    /// As [`Self::with_unrelated_creates`], printing the figures without a bound.
+    async fn with_unrelated_creates_measured<F: std::future::Future<Output = T>, T>(
+        &self,
+        case: &str,
+        hostile: F,
+    ) -> T {
+        self.measure_unrelated_creates(case, hostile).await.0
+    }
+
+    async fn measure_unrelated_creates<F: std::future::Future<Output = T>, T>(
+        &self,
+        case: &str,
+        hostile: F,
+    ) -> (T, Duration, Duration) {
         let api: Api<PolicyReport> = Api::namespaced(self.client.clone(), NS);
         let mut unloaded = Vec::new();
         let name = || {
@@ -156,11 +183,7 @@ impl Harness {
         };
         let (result, slowest) = tokio::join!(hostile, creates);
         eprintln!("[hostile] {case}: unloaded create {unloaded:?}, slowest meanwhile {slowest:?}");
-        assert!(
-            slowest <= bound,
-            "{case}: a create took {slowest:?} (bound {bound:?})"
-        );
-        result
+        (result, slowest, bound)
     }
 }
 
@@ -330,6 +353,52 @@ async fn client_managed_fields_are_bounded_at_the_full_body_limit() {
         .await;
     refused((status, body), 422, "managedFields");
     h.assert_healthy("managedFields", &before).await;
+}
+
+#[tokio::test]
+async fn writes_at_the_full_body_limit_are_stored_and_measured() {
+    let h = Harness::start(&[]).await;
+    let before = h.seeded().await;
+    // A valid report of as many results as fit under the limit.
+    let mut big = serde_json::to_value(report(50)).unwrap();
+    let result = big["results"][0].clone();
+    let each = serde_json::to_vec(&result).unwrap().len() + 16;
+    big["results"] = (0..(BODY_LIMIT - 64 * 1024) / each)
+        .map(|i| {
+            let mut r = result.clone();
+            r["policy"] = json!(format!("policy-{i:06}"));
+            r
+        })
+        .collect();
+    let body = serde_json::to_vec(&big).unwrap();
+    // The database work of a write grows with it (a row per result); a write at the body
+    // limit is measured here, not bounded: a writer in the same group commit round waits for it.
+    let (status, created) = h
+        .with_unrelated_creates_measured(
+            "3 MiB create",
+            h.raw("POST", COLLECTION, "application/json", body),
+        )
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let mut replaced = created.clone();
+    replaced["results"][0]["result"] = json!("fail");
+    let uri = format!("{COLLECTION}/report-00050");
+    let (status, body) = h
+        .with_unrelated_creates_measured(
+            "3 MiB update",
+            h.raw(
+                "PUT",
+                uri,
+                "application/json",
+                serde_json::to_vec(&replaced).unwrap(),
+            ),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    // Legitimate, not hostile: a 3 MiB report of 12,000 results is parsed, checked against
+    // the schema, stored with a row per result and kept for watchers, old and new side by side.
+    h.assert_healthy_within("3 MiB writes", &before, 3 * MEMORY_BOUND_MIB)
+        .await;
 }
 
 #[tokio::test]
@@ -598,6 +667,10 @@ async fn slow_and_silent_connections_are_closed_within_the_header_timeout_while_
     let port = h.server.port;
     let mut held = Vec::new();
     for i in 0..CONNECTIONS {
+        // In batches, so the listen backlog (and not the server) is never what holds them.
+        if i % 100 == 99 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let connector = connector.clone();
         held.push(tokio::spawn(async move {
             let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -642,7 +715,7 @@ async fn slow_and_silent_connections_are_closed_within_the_header_timeout_while_
     }
     let mut slowest = Duration::ZERO;
     for task in held {
-        let closed_after = tokio::time::timeout(TIMEOUT * 4, task)
+        let closed_after = tokio::time::timeout(TIMEOUT * 5, task)
             .await
             .expect("every slow connection is closed")
             .unwrap();
@@ -652,7 +725,8 @@ async fn slow_and_silent_connections_are_closed_within_the_header_timeout_while_
         "[hostile] {CONNECTIONS} slow connections: the last closed after {slowest:?}; {calls} kubectl calls meanwhile"
     );
     assert!(
-        slowest <= TIMEOUT + Duration::from_secs(3),
+        // The timeout, the once-a-second check and at most five seconds to close.
+        slowest <= TIMEOUT + Duration::from_secs(6),
         "closed after {slowest:?}"
     );
     h.assert_healthy("slow connections", &before).await;

@@ -70,7 +70,11 @@ pub fn run_all(jobs: Vec<Job>, settings: &Settings) -> Result<Vec<Outcome>> {
             let events = events.clone();
             let queue = &queue;
             scope.spawn(move || {
-                while let Some(job) = queue.lock().expect("queue lock").pop_front() {
+                loop {
+                    // Its own statement: a guard in a `while let` would be held (and every
+                    // other slot kept waiting) for as long as the job runs.
+                    let next = queue.lock().expect("queue lock").pop_front();
+                    let Some(job) = next else { break };
                     let _ = events.send(Event::Started(job.name.clone()));
                     let _ = events.send(Event::Ended(run_one(&job, settings)));
                 }
@@ -252,6 +256,36 @@ pub fn report(outcomes: &[Outcome]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn jobs_run_at_the_same_time_up_to_the_slots() {
+        let sleep = |name: &str| Job {
+            name: name.to_owned(),
+            program: "sleep".into(),
+            args: vec!["1".into()],
+            cwd: std::env::temp_dir(),
+        };
+        let settings = Settings {
+            jobs: 3,
+            log_dir: std::env::temp_dir().join(format!("xtask-run-{}", std::process::id())),
+            test_args: Vec::new(),
+            server_binary: None,
+        };
+        let started = Instant::now();
+        let outcomes = run_all(
+            vec![sleep("a"), sleep("b"), sleep("c"), sleep("d")],
+            &settings,
+        )
+        .unwrap();
+        let took = started.elapsed();
+        assert!(outcomes.iter().all(Outcome::passed));
+        // Three at once, then the fourth: two seconds, not four.
+        assert!(
+            took >= Duration::from_secs(2) && took < Duration::from_millis(3500),
+            "{took:?}"
+        );
+        std::fs::remove_dir_all(&settings.log_dir).unwrap();
+    }
 
     #[test]
     fn result_lines_are_summed_and_other_lines_ignored() {

@@ -335,7 +335,8 @@ pub async fn delete(
     ))
 }
 
-/// Deletes every matching object in one transaction and returns them as a list.
+/// Deletes every matching object (in batches, see `Registry::delete_collection`) and returns
+/// them as a list.
 pub async fn delete_collection(
     state: &AppState,
     r: &ResourceRef,

@@ -23,6 +23,9 @@ pub struct Registry {
     admission: Option<Arc<dyn Admission>>,
 }
 
+/// Objects a deletecollection deletes per transaction.
+const DELETE_COLLECTION_BATCH: usize = 256;
+
 /// How a write is made: on whose behalf, how strictly, and whether it is stored.
 #[derive(Clone, Debug)]
 pub struct WriteOptions {
@@ -437,7 +440,8 @@ impl Registry {
         Ok(outcome.object.unwrap_or(Value::Null))
     }
 
-    /// Deletes every object the selectors match, in one transaction. Returns the objects
+    /// Deletes every object the selectors match, in transactions of
+    /// [`DELETE_COLLECTION_BATCH`]. Returns the objects
     /// deleted or marked, and the store's resourceVersion after the write.
     pub async fn delete_collection(
         &self,
@@ -465,22 +469,22 @@ impl Registry {
             dry_run: preconditions.dry_run,
             ..Default::default()
         };
-        let outcomes = self
-            .store
-            .mutate_batch(
-                &targets,
-                preconditions.dry_run,
-                |i, current| match current {
+        // In transactions of a bounded size, as kube-apiserver deletes one by one: a selection of
+        // every report must not become one transaction that holds the store's write lock (and
+        // every other writer) for as long as it takes.
+        let mut items = Vec::new();
+        for (batch, chunk) in targets.chunks(DELETE_COLLECTION_BATCH).enumerate() {
+            let rows = &page.rows[batch * DELETE_COLLECTION_BATCH..];
+            let outcomes = self
+                .store
+                .mutate_batch(chunk, preconditions.dry_run, |i, current| match current {
                     // Deleted by someone else since the list: nothing to do.
                     None => Ok(Mutation::Unchanged),
-                    Some(c) => decide_delete(r.resource, &page.rows[i].name, Some(c), &each),
-                },
-            )
-            .await?;
-        let items = outcomes
-            .into_iter()
-            .filter_map(|o| o.event.and(o.object))
-            .collect();
+                    Some(c) => decide_delete(r.resource, &rows[i].name, Some(c), &each),
+                })
+                .await?;
+            items.extend(outcomes.into_iter().filter_map(|o| o.event.and(o.object)));
+        }
         let (current, _) = self.store.versions().await?;
         Ok((items, current))
     }
