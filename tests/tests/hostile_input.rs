@@ -31,8 +31,12 @@ struct Harness {
 
 impl Harness {
     async fn start(extra: &[&str]) -> Harness {
+        Harness::start_on(None, extra).await
+    }
+
+    async fn start_on(database_url: Option<String>, extra: &[&str]) -> Harness {
         let dir = tempfile::tempdir().unwrap();
-        let server = ServerProcess::start_with(dir.path(), None, extra)
+        let server = ServerProcess::start_with(dir.path(), database_url, extra)
             .await
             .expect("server starts");
         let client = server.client_without_retries().await.unwrap();
@@ -326,19 +330,17 @@ async fn client_managed_fields_are_bounded_at_the_full_body_limit() {
     let entry_fields = |i: usize| {
         let mut fields = serde_json::Map::new();
         for j in 0..40 {
-            fields.insert(format!("f:k{i}-{j}"), json!({}));
+            fields.insert(format!("f:k{i:05}-{j:02}"), json!({}));
         }
         json!({"f:metadata": {"f:labels": fields}})
     };
+    let entry = |i: usize| json!({"manager": format!("m{i:05}"), "operation": "Update", "apiVersion": "wgpolicyk8s.io/v1alpha2", "time": "2026-01-01T00:00:00Z", "fieldsType": "FieldsV1", "fieldsV1": entry_fields(i)});
+    // As many entries as fit under the body limit (all of one size: five-digit names).
+    let room = BODY_LIMIT - 16 * 1024 - serde_json::to_vec(&before).unwrap().len();
+    let count = room / (serde_json::to_vec(&entry(0)).unwrap().len() + 1);
     let mut object = before.clone();
-    let mut entries = Vec::new();
-    let mut i = 0;
-    while serde_json::to_vec(&object).unwrap().len() < BODY_LIMIT - 8 * 1024 {
-        entries.push(json!({"manager": format!("m{i}"), "operation": "Update", "apiVersion": "wgpolicyk8s.io/v1alpha2", "time": "2026-01-01T00:00:00Z", "fieldsType": "FieldsV1", "fieldsV1": entry_fields(i)}));
-        object["metadata"]["managedFields"] = Value::Array(entries.clone());
-        i += 1;
-    }
-    eprintln!("[hostile] managedFields: {} entries", entries.len());
+    object["metadata"]["managedFields"] = (0..count).map(entry).collect();
+    eprintln!("[hostile] managedFields: {count} entries");
     let uri = format!("{COLLECTION}/report-00000");
     let (status, body) = h
         .with_unrelated_creates(
@@ -777,4 +779,65 @@ async fn requests_over_the_in_flight_cap_get_429_and_slow_bodies_504() {
     let answer = String::from_utf8_lossy(&answer[..n]);
     assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
     h.assert_healthy("in-flight", &before).await;
+}
+
+#[tokio::test]
+async fn a_read_only_database_is_503_with_a_reason_and_without_the_driver_text() {
+    let url = reports_server_tests::Backend::Postgres
+        .database_url(std::path::Path::new("/"))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let h = Harness::start_on(Some(url.clone()), &[]).await;
+    let before = h.seeded().await;
+    // The database turns read-only, as a standby does after a failover, and the server's
+    // connections are cut so that new ones get the setting.
+    let (admin, database) = url.rsplit_once('/').unwrap();
+    let sql = format!(
+        "ALTER DATABASE {database} SET default_transaction_read_only = on; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = '{database}' AND pid <> pg_backend_pid();"
+    );
+    let out = std::process::Command::new("psql")
+        .args([
+            &format!("{admin}/postgres"),
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-qc",
+            &sql,
+        ])
+        .output()
+        .expect("psql (apt-get install -y postgresql-client)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut messages = Vec::new();
+    for n in 0..20 {
+        let (status, body) = h
+            .raw(
+                "POST",
+                COLLECTION,
+                "application/json",
+                serde_json::to_vec(&report(200 + n)).unwrap(),
+            )
+            .await;
+        assert_eq!(status, 503, "{body}");
+        let message = body["message"].as_str().unwrap_or_default().to_owned();
+        assert!(
+            !message.contains("cannot execute")
+                && !message.contains("error returned from database"),
+            "the driver's text reached the client: {message}"
+        );
+        messages.push(message);
+        if messages.last().is_some_and(|m| m.contains("read-only")) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        messages.iter().any(|m| m.contains("read-only")),
+        "no write was refused as read-only: {messages:?}"
+    );
+    // Reads go on.
+    h.assert_healthy("read-only database", &before).await;
 }

@@ -107,9 +107,13 @@ fn test(args: TestArgs) -> Result<bool> {
     Ok(run::report(&outcomes))
 }
 
-/// The workspace root: xtask's own directory's parent.
+/// The workspace root: the parent of the xtask directory `cargo run` was started for. Read at
+/// run time: with a target directory shared by several checkouts (CI's cache, a developer's
+/// clones) the binary cargo runs may have been built from another one.
 fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
         .parent()
         .expect("xtask lives inside the workspace")
         .to_path_buf()
