@@ -20,6 +20,12 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::Parser;
 
+/// Binaries that run alone, before the others. Each brings up a real node (containerd, a
+/// kubelet, pods) next to a control plane and asserts that not one request fails while pods
+/// roll; with other end-to-end binaries beside it on two cores, a request now and then waited
+/// past its 5 s bound.
+const ALONE: &[&str] = &["tests/e2e_node", "tests/e2e_operator_node"];
+
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "reports-server's project automation")]
 enum Command {
@@ -37,6 +43,10 @@ struct TestArgs {
     /// servers, control planes or databases.
     #[arg(long)]
     fast: bool,
+    /// Also run these binaries alone, before the others (exact names, repeatable); the node
+    /// tests always do.
+    #[arg(long = "alone", value_name = "NAME")]
+    alone: Vec<String>,
     /// Run only the binaries whose name (as printed, e.g. `tests/conformance`) contains one of
     /// these; repeatable.
     #[arg(long = "only", value_name = "NAME")]
@@ -91,7 +101,25 @@ fn test(args: TestArgs) -> Result<bool> {
         test_args: args.test_args,
         server_binary: built.server_binary,
     };
-    let outcomes = run::run_all(jobs, &settings)?;
+    let (alone, together): (Vec<_>, Vec<_>) = jobs
+        .into_iter()
+        .partition(|job| ALONE.contains(&job.name.as_str()) || args.alone.contains(&job.name));
+    let mut outcomes = Vec::new();
+    if !alone.is_empty() {
+        let names: Vec<&str> = alone.iter().map(|job| job.name.as_str()).collect();
+        eprintln!(
+            "xtask: first, one at a time with nothing beside them: {}",
+            names.join(", ")
+        );
+        let one_at_a_time = run::Settings {
+            jobs: 1,
+            ..settings.clone()
+        };
+        outcomes.extend(run::run_all(alone, &one_at_a_time)?);
+    }
+    if !together.is_empty() {
+        outcomes.extend(run::run_all(together, &settings)?);
+    }
     let mut history = history;
     for outcome in &outcomes {
         if outcome.passed() {

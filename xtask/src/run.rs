@@ -13,6 +13,7 @@ use anyhow::{Context, Result};
 use crate::artefacts::Job;
 
 /// How the jobs run.
+#[derive(Clone)]
 pub struct Settings {
     pub jobs: usize,
     pub log_dir: PathBuf,
