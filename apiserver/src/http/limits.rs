@@ -16,6 +16,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::Semaphore;
 
+use super::request::is_true;
 use super::status::ApiError;
 
 /// The caps, shared by every connection.
@@ -41,10 +42,8 @@ fn is_long_running(request: &Request) -> bool {
     request.method() == Method::GET
         && request.uri().query().is_some_and(|query| {
             query.split('&').any(|pair| {
-                matches!(
-                    pair.split_once('=').unwrap_or((pair, "")),
-                    ("watch", "true" | "1" | "True")
-                )
+                pair.split_once('=')
+                    .is_some_and(|(k, v)| k == "watch" && is_true(v))
             })
         })
 }

@@ -174,9 +174,14 @@ pub struct Params {
     pub field_validation: Option<String>,
 }
 
+/// The spellings of `true` a boolean query parameter accepts.
+pub(crate) fn is_true(v: &str) -> bool {
+    matches!(v, "true" | "1" | "True")
+}
+
 fn boolean(name: &str, v: &str) -> Result<bool, ApiError> {
     match v {
-        "true" | "1" | "True" => Ok(true),
+        v if is_true(v) => Ok(true),
         "false" | "0" | "False" | "" => Ok(false),
         _ => Err(ApiError::bad_request(format!(
             "{name}: invalid boolean {v:?}"

@@ -41,7 +41,7 @@ use super::negotiate::{Negotiated, Representation, Target};
 use super::render::{accept, include_object, render_object};
 use super::request::Params;
 use super::status::ApiError;
-use crate::registry::list::parse_resource_version;
+use crate::registry::list::watch_start;
 use crate::registry::{Cause, RegistryError, ResourceRef};
 use crate::store::feed::{Subscription, read_changes};
 use crate::store::ring::Lagged;
@@ -543,22 +543,11 @@ pub async fn watch(
     check_watch_params(path, params)?;
     let store = state.store.clone();
     let (current, compacted) = store.versions().await?;
-    let requested = match params.resource_version.as_deref() {
-        None => None,
-        Some(rv) => Some(parse_resource_version(rv)?).filter(|&n| n != 0),
-    };
-    // As kube-apiserver's watch cache does once its wait runs out: a watch from a version the
-    // store never reached would stay silent through every change up to it.
-    if let Some(requested) = requested.filter(|&n| n > current) {
-        return Err(RegistryError::ResourceVersionTooLarge { requested, current }.into());
-    }
-    // `None`: begin with the current state as synthetic ADDED events.
-    let (start, initial_events_end) = match params.send_initial_events {
-        // Streaming list: the state at least as new as `requested`, then the end bookmark.
-        Some(true) => (None, true),
-        Some(false) => (Some(requested.unwrap_or(current)), false),
-        None => (requested, false),
-    };
+    let (start, initial_events_end) = watch_start(
+        params.resource_version.as_deref(),
+        params.send_initial_events,
+        current,
+    )?;
     let filter = Filter {
         resource_key: Store::resource_key(path.resource),
         namespace: path.namespace.clone(),

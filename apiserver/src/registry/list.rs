@@ -131,6 +131,31 @@ pub fn parse_resource_version(rv: &str) -> Result<i64, RegistryError> {
     }
 }
 
+/// Where a watch begins (`None`: with the current state as synthetic ADDED events) and whether
+/// it ends its initial events with the `initial-events-end` bookmark, from its
+/// `resourceVersion` and `sendInitialEvents` and the store's current version.
+pub fn watch_start(
+    resource_version: Option<&str>,
+    send_initial_events: Option<bool>,
+    current: i64,
+) -> Result<(Option<i64>, bool), RegistryError> {
+    let requested = match resource_version {
+        None => None,
+        Some(rv) => Some(parse_resource_version(rv)?).filter(|&n| n != 0),
+    };
+    // As kube-apiserver's watch cache does once its wait runs out: a watch from a version the
+    // store never reached would stay silent through every change up to it.
+    if let Some(requested) = requested.filter(|&n| n > current) {
+        return Err(RegistryError::ResourceVersionTooLarge { requested, current });
+    }
+    Ok(match send_initial_events {
+        // Streaming list: the state at least as new as `requested`, then the end bookmark.
+        Some(true) => (None, true),
+        Some(false) => (Some(requested.unwrap_or(current)), false),
+        None => (requested, false),
+    })
+}
+
 /// A continue token from a newer state than the store's (forged, or from before a restore or
 /// a failover to a replica that lags): the client must not read a page as of a version the
 /// store never reached, or an informer would silently miss the changes in between.
@@ -182,6 +207,26 @@ pub fn check_list_version(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn where_a_watch_starts() {
+        assert_eq!(watch_start(None, None, 7).unwrap(), (None, false));
+        assert_eq!(watch_start(Some("0"), None, 7).unwrap(), (None, false));
+        assert_eq!(watch_start(Some("5"), None, 7).unwrap(), (Some(5), false));
+        assert_eq!(watch_start(Some("5"), Some(true), 7).unwrap(), (None, true));
+        assert_eq!(watch_start(None, Some(false), 7).unwrap(), (Some(7), false));
+        assert!(matches!(
+            watch_start(Some("8"), None, 7),
+            Err(RegistryError::ResourceVersionTooLarge {
+                requested: 8,
+                current: 7
+            })
+        ));
+        assert!(matches!(
+            watch_start(Some("-1"), None, 7),
+            Err(RegistryError::BadRequest(_))
+        ));
+    }
 
     fn at(rv: &str, m: Option<&str>) -> ListOptions {
         ListOptions {

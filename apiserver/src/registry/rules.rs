@@ -496,6 +496,18 @@ fn apply_error(
 /// Decides a server-side apply of `config` (the decoded `application/apply-patch+yaml` body)
 /// by field manager `manager`: creates the object when `current` is `None`, otherwise merges
 /// the configuration into it. Conflicts with other managers are a 409 unless `force`.
+/// An applied configuration: an object (an empty body is an empty one).
+fn config_object(desc: &ResourceDescriptor, config: Value) -> Result<Value, RegistryError> {
+    match config {
+        Value::Null => Ok(Value::Object(Map::new())),
+        c @ Value::Object(_) => Ok(c),
+        _ => Err(RegistryError::bad_request(format!(
+            "the request body must be a {} object",
+            desc.kind
+        ))),
+    }
+}
+
 pub fn decide_apply(
     path: &ResourceRef,
     name: &str,
@@ -507,16 +519,7 @@ pub fn decide_apply(
 ) -> Result<(Mutation, Vec<String>), RegistryError> {
     let desc = path.resource;
     let api_version = desc.api_version();
-    let mut config = match config {
-        Value::Null => Value::Object(Map::new()),
-        c @ Value::Object(_) => c,
-        _ => {
-            return Err(RegistryError::bad_request(format!(
-                "the request body must be a {} object",
-                desc.kind
-            )));
-        }
-    };
+    let mut config = config_object(desc, config)?;
     // What the client applied, as kubectl's last-applied-configuration records it.
     let applied = config.clone();
     // Only this kind at this version can be applied here; nothing is filled in.
