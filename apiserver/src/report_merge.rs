@@ -620,7 +620,7 @@ impl StoreEphemeralReports {
         &self,
         namespace: &str,
         report: &ObjectMeta,
-        change: impl FnOnce(&ResourceRef, &str, Value) -> Result<Mutation, RegistryError> + Send,
+        change: impl Fn(&ResourceRef, &str, Value) -> Result<Mutation, RegistryError> + Send,
     ) -> Result<Written, ReportsError> {
         let desc = descriptor(ephemeral_kind(namespace));
         let name = report.name.clone().unwrap_or_default();
@@ -629,6 +629,8 @@ impl StoreEphemeralReports {
         let outcome = self
             .store
             .mutate::<AggregationError, _>(desc, namespace, &name, false, |current| {
+                // Decided again if the report changes before the write: only the last counts.
+                written = Written::Done;
                 let Some(current) = current else {
                     written = Written::Gone;
                     return Ok(Mutation::Unchanged);
@@ -697,7 +699,7 @@ impl EphemeralReports for StoreEphemeralReports {
         let owner_value = serde_json::to_value(owner)?;
         self.write(namespace, report, |path, name, current| {
             let mut adopted = current.clone();
-            adopted["metadata"]["ownerReferences"] = Value::Array(vec![owner_value]);
+            adopted["metadata"]["ownerReferences"] = Value::Array(vec![owner_value.clone()]);
             adopted["metadata"]["labels"][LABEL_RESOURCE_UID] = Value::String(owner.uid.clone());
             let validation = Validation {
                 mode: FieldValidation::Ignore,

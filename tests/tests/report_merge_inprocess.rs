@@ -77,7 +77,9 @@ async fn put(store: &Store, desc: &'static ResourceDescriptor, mut object: Value
     meta["creationTimestamp"] = json!("2024-01-01T00:00:00Z");
     meta["generation"] = json!(1);
     store
-        .mutate::<StoreError, _>(desc, &ns, &name, false, |_| Ok(Mutation::Put(object)))
+        .mutate::<StoreError, _>(desc, &ns, &name, false, |_| {
+            Ok(Mutation::Put(object.clone()))
+        })
         .await
         .unwrap()
         .resource_version

@@ -41,7 +41,7 @@ fn report(ns: &str, n: u64, labels: &[(&str, &str)]) -> Value {
 async fn put(store: &Store, ns: &str, name: &str, object: Value) -> i64 {
     store
         .mutate::<StoreError, _>(&POLICY_REPORT, ns, name, false, |_| {
-            Ok(Mutation::Put(object))
+            Ok(Mutation::Put(object.clone()))
         })
         .await
         .unwrap()
@@ -871,7 +871,7 @@ async fn a_failing_statement_fails_only_its_writer() {
             barrier.wait().await;
             store
                 .mutate::<StoreError, _>(&POLICY_REPORT, "ns", &format!("r-{w:05}"), false, |_| {
-                    Ok(Mutation::Put(object))
+                    Ok(Mutation::Put(object.clone()))
                 })
                 .await
         }));

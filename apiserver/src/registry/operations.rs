@@ -204,7 +204,8 @@ impl Registry {
                     if current.is_some() {
                         return Err(RegistryError::already_exists(r.resource, &name));
                     }
-                    Ok(Mutation::Put(object))
+                    // Cloned: the decision is made again if a racing write lands first.
+                    Ok(Mutation::Put(object.clone()))
                 },
             )
             .await
@@ -238,11 +239,10 @@ impl Registry {
             keys.push(import_key(resource, object)?);
         }
         let targets = targets_of(resource, &keys);
-        let mut objects: Vec<Option<Value>> = objects.into_iter().map(Some).collect();
         let outcomes = self
             .store
             .mutate_batch::<RegistryError, _>(&targets, false, |i, current| {
-                let object = objects[i].take().expect("one decision per target");
+                let object = objects[i].clone();
                 Ok(match current {
                     Some(current) if same_content(&current, &object) => Mutation::Unchanged,
                     _ => Mutation::Put(object),
@@ -279,7 +279,8 @@ impl Registry {
         desired: Value,
         options: &WriteOptions,
     ) -> Result<Written, RegistryError> {
-        self.rewrite(r, name, options, |_| Ok(desired)).await
+        self.rewrite(r, name, options, |_| Ok(desired.clone()))
+            .await
     }
 
     pub async fn patch(
@@ -310,14 +311,14 @@ impl Registry {
         .await
     }
 
-    /// An update of the existing object to what `desired` makes of it, decided inside the
-    /// write transaction (a PUT body ignores the current object; a patch applies to it).
+    /// An update of the existing object to what `desired` makes of it (a PUT body ignores the
+    /// current object; a patch applies to it), decided again if the object changes first.
     async fn rewrite(
         &self,
         r: &ResourceRef,
         name: &str,
         options: &WriteOptions,
-        desired: impl FnOnce(&Value) -> Result<Value, RegistryError>,
+        desired: impl Fn(&Value) -> Result<Value, RegistryError>,
     ) -> Result<Written, RegistryError> {
         let mut warnings = Vec::new();
         let outcome = self

@@ -6,13 +6,15 @@
 //! queue their targets and one *leader* task (spawned when the queue fills, ending when it
 //! empties) runs a round for everything queued:
 //!
-//! 1. it opens a transaction, takes the counter's row lock, and reads the current rows of every
+//! 1. it opens a transaction, takes the counter's row lock, and reads the version of every
 //!    target in a few statements;
-//! 2. it offers each writer its current bodies; the writer decides in its own task, with its
-//!    own borrowed closure (the decision is synchronous, so offering costs one wake-up), and
-//!    answers with its mutations or declines (its decision failed: it returns its own error,
-//!    and nothing of it is written, so a failing write fails alone);
-//! 3. it applies the accepted mutations in queue order, each with its own resourceVersion and
+//! 2. it takes each writer whose targets are still at the versions the writer decided on
+//!    (writers queue decisions made outside the round, see `mutate`), and offers the others the
+//!    current bodies; such a writer decides again in its own task, with its own borrowed
+//!    closure, and answers with its mutations, or declines (its decision failed: it returns its
+//!    own error, and nothing of it is written, so a failing write fails alone; or deciding is
+//!    too costly to do while the round waits: it decides outside and queues again);
+//! 3. it applies the accepted mutations in order, each with its own resourceVersion and
 //!    change-log entry (so versions stay gapless and commit-ordered), and commits once.
 //!
 //! If a statement or the commit fails, the round is rolled back and each accepted writer is
@@ -35,6 +37,7 @@ use tracing::Instrument;
 
 use super::columns::{RuleKey, result_rules};
 use super::feed::{Change, EventType};
+use super::mutate::Seen;
 use super::rules::RoundRules;
 use super::schema::Objects;
 use super::write::{
@@ -45,11 +48,15 @@ use super::{Store, StoreError};
 /// Keys per current-row SELECT: bind parameters stay far below every backend's limit.
 const KEYS_PER_READ: usize = 200;
 
-/// The current rows of `targets`. The cluster goes into every term, not beside the `OR`:
+/// The current rows of `targets` (their bodies if `with_bodies`). The cluster goes into every term, not beside the `OR`:
 /// SQLite then seeks the unique key once per term, where with `cluster_id = ? AND (… OR …)` its
 /// planner scanned every object of the cluster, once per round (creates slowed as the store
 /// grew: 388 reports/s over 100,000 where the first 10,000 went at 1,700/s).
-fn current_rows_query(cluster_id: &str, targets: &[&OwnedTarget]) -> SelectStatement {
+fn current_rows_query(
+    cluster_id: &str,
+    targets: &[&OwnedTarget],
+    with_bodies: bool,
+) -> SelectStatement {
     let mut any = Condition::any();
     for t in targets {
         any = any.add(
@@ -60,37 +67,53 @@ fn current_rows_query(cluster_id: &str, targets: &[&OwnedTarget]) -> SelectState
                 .add(Expr::col(Objects::Name).eq(t.name.as_str())),
         );
     }
-    Query::select()
-        .columns([
-            Objects::Id,
-            Objects::Resource,
-            Objects::Namespace,
-            Objects::Name,
-            Objects::ResourceVersion,
-            Objects::Body,
-        ])
-        .from(Objects::Table)
-        .cond_where(any)
-        .to_owned()
+    let mut query = Query::select();
+    query.columns([
+        Objects::Id,
+        Objects::Resource,
+        Objects::Namespace,
+        Objects::Name,
+        Objects::ResourceVersion,
+    ]);
+    if with_bodies {
+        query.column(Objects::Body);
+    }
+    query.from(Objects::Table).cond_where(any).to_owned()
 }
 
 /// One writer's place in the queue.
 pub(super) struct Request {
     targets: Vec<OwnedTarget>,
-    /// The current bodies (`None`: no such object), or why the round could not start.
-    offer: oneshot::Sender<Result<Vec<Option<String>>, StoreError>>,
+    presumed: Presumed,
+    /// Whether the round took the presumed decisions, or why the round could not start.
+    offer: oneshot::Sender<Result<Admission, StoreError>>,
     decision: oneshot::Receiver<Vec<Decided>>,
     done: oneshot::Sender<Result<Vec<WriteOutcome>, StoreError>>,
 }
 
+/// A writer's decisions, made on its targets at `versions` (`None`: no such object).
+pub(super) struct Presumed {
+    pub versions: Vec<Option<i64>>,
+    pub decided: Vec<Decided>,
+}
+
+/// What a round makes of a writer's presumed decisions.
+pub(super) enum Admission {
+    /// Its targets are as it saw them: the round writes its decisions.
+    Accepted,
+    /// A target changed: decide on these rows (`None`: no such object), or decline.
+    Changed(Vec<Option<Seen>>),
+}
+
 /// The writer's ends of a [`Request`]'s channels.
 pub(super) struct Ticket {
-    pub offer: oneshot::Receiver<Result<Vec<Option<String>>, StoreError>>,
+    pub offer: oneshot::Receiver<Result<Admission, StoreError>>,
     pub decision: oneshot::Sender<Vec<Decided>>,
     pub done: oneshot::Receiver<Result<Vec<WriteOutcome>, StoreError>>,
 }
 
-struct OwnedTarget {
+#[derive(Clone)]
+pub(super) struct OwnedTarget {
     resource: &'static ResourceDescriptor,
     key: String,
     namespace: String,
@@ -98,6 +121,29 @@ struct OwnedTarget {
 }
 
 impl OwnedTarget {
+    /// `targets`, owned; fails when one is named twice: one writer's decisions are all made
+    /// on the state before its write.
+    pub(super) fn all_of(targets: &[Target<'_>]) -> Result<Vec<OwnedTarget>, StoreError> {
+        let mut seen = HashSet::with_capacity(targets.len());
+        let mut owned = Vec::with_capacity(targets.len());
+        for t in targets {
+            let key = Store::resource_key(t.resource);
+            if !seen.insert((key.clone(), t.namespace, t.name)) {
+                return Err(StoreError::Inconsistent(format!(
+                    "one write names {key} {}/{} twice; write it once per batch",
+                    t.namespace, t.name
+                )));
+            }
+            owned.push(OwnedTarget {
+                resource: t.resource,
+                key,
+                namespace: t.namespace.to_owned(),
+                name: t.name.to_owned(),
+            });
+        }
+        Ok(owned)
+    }
+
     fn target(&self) -> Target<'_> {
         Target {
             resource: self.resource,
@@ -124,6 +170,7 @@ struct RoundMetrics {
     writes: Histogram,
     seconds: Histogram,
     retried: Counter,
+    changed: Counter,
 }
 
 impl Default for RoundMetrics {
@@ -132,6 +179,7 @@ impl Default for RoundMetrics {
             writes: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
             seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             retried: Counter::default(),
+            changed: Counter::default(),
         }
     }
 }
@@ -155,6 +203,11 @@ impl CommitQueue {
             "Rounds rolled back by a failing statement and retried one writer at a time",
             m.retried.clone(),
         );
+        registry.register(
+            "reports_server_store_group_commit_changed_targets",
+            "Writers whose objects changed between their read and their round, which decided again",
+            m.changed.clone(),
+        );
     }
 }
 
@@ -173,31 +226,15 @@ struct Accepted {
 }
 
 impl Store {
-    /// Queues a write of `targets` and starts a leader if none is running. Fails when a target
-    /// is named twice: one writer's decisions are all made on the state before its write.
-    pub(super) fn enqueue(&self, targets: &[Target<'_>]) -> Result<Ticket, StoreError> {
-        let mut seen = HashSet::with_capacity(targets.len());
-        let mut owned = Vec::with_capacity(targets.len());
-        for t in targets {
-            let key = Store::resource_key(t.resource);
-            if !seen.insert((key.clone(), t.namespace, t.name)) {
-                return Err(StoreError::Inconsistent(format!(
-                    "one write names {key} {}/{} twice; write it once per batch",
-                    t.namespace, t.name
-                )));
-            }
-            owned.push(OwnedTarget {
-                resource: t.resource,
-                key,
-                namespace: t.namespace.to_owned(),
-                name: t.name.to_owned(),
-            });
-        }
+    /// Queues a write of `targets` decided as `presumed`, and starts a leader if none is
+    /// running.
+    pub(super) fn enqueue(&self, targets: Vec<OwnedTarget>, presumed: Presumed) -> Ticket {
         let (offer_tx, offer) = oneshot::channel();
         let (decision, decision_rx) = oneshot::channel();
         let (done_tx, done) = oneshot::channel();
         let request = Request {
-            targets: owned,
+            targets,
+            presumed,
             offer: offer_tx,
             decision: decision_rx,
             done: done_tx,
@@ -217,11 +254,11 @@ impl Store {
                 async move { store.lead().await }.instrument(tracing::debug_span!("group_commit")),
             );
         }
-        Ok(Ticket {
+        Ticket {
             offer,
             decision,
             done,
-        })
+        }
     }
 
     /// Runs rounds until the queue is empty.
@@ -278,30 +315,16 @@ impl Store {
                 return;
             }
         };
-        let base_rv = currents.0;
-        // Offer everyone first, then collect: the writers decide concurrently.
-        let mut offered = Vec::with_capacity(batch.len());
-        for (request, currents) in batch.into_iter().zip(currents.1) {
-            let bodies = currents
-                .iter()
-                .map(|c| c.as_ref().map(|c| c.body.clone()))
-                .collect();
-            if request.offer.send(Ok(bodies)).is_ok() {
-                offered.push((request.targets, currents, request.decision, request.done));
+        let (base_rv, currents) = currents;
+        let accepted = match self.admit(&txn, batch, currents).await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                txn.rollback().await.ok();
+                tracing::warn!(error = %e, writers, "a group commit round failed to start");
+                return;
             }
-        }
-        let mut accepted = Vec::with_capacity(offered.len());
-        for (targets, currents, decision, done) in offered {
-            // A writer that declined (its decision failed) or went away drops its sender.
-            if let Ok(decided) = decision.await {
-                accepted.push(Accepted {
-                    targets,
-                    currents,
-                    decided,
-                    done,
-                });
-            }
-        }
+        };
+        let mut accepted = accepted;
         if accepted.is_empty() {
             txn.rollback().await.ok();
             return;
@@ -339,6 +362,73 @@ impl Store {
                 }
             }
         }
+    }
+
+    /// Takes each writer whose targets are at the versions it decided on; offers the others
+    /// the current rows and collects the decisions of those who decide inside the round.
+    /// Fails (every writer of the round told why) when the rows cannot be read.
+    async fn admit(
+        &self,
+        txn: &DatabaseTransaction,
+        batch: Vec<Request>,
+        currents: Vec<Vec<Option<Current>>>,
+    ) -> Result<Vec<Accepted>, StoreError> {
+        let mut accepted = Vec::with_capacity(batch.len());
+        let mut changed = Vec::new();
+        for (request, currents) in batch.into_iter().zip(currents) {
+            let now = currents.iter().map(|c| c.as_ref().map(|c| c.rv));
+            if !now.eq(request.presumed.versions.iter().copied()) {
+                changed.push((request, currents));
+            } else if request.offer.send(Ok(Admission::Accepted)).is_ok() {
+                accepted.push(Accepted {
+                    targets: request.targets,
+                    currents,
+                    decided: request.presumed.decided,
+                    done: request.done,
+                });
+            }
+        }
+        if changed.is_empty() {
+            return Ok(accepted);
+        }
+        self.commit_queue
+            .metrics
+            .changed
+            .inc_by(changed.len() as u64);
+        let groups: Vec<&[OwnedTarget]> = changed.iter().map(|(r, _)| &r.targets[..]).collect();
+        let rows = match self.read_rows(txn, &groups, true).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                for (request, _) in changed {
+                    request.offer.send(Err(e.duplicate())).ok();
+                }
+                for writer in accepted {
+                    writer.done.send(Err(e.duplicate())).ok();
+                }
+                return Err(e);
+            }
+        };
+        // Offer everyone first, then collect: the writers decide concurrently.
+        let mut offered = Vec::with_capacity(changed.len());
+        for ((request, currents), rows) in changed.into_iter().zip(rows) {
+            let seen = rows.into_iter().map(|r| r.map(Row::seen)).collect();
+            if request.offer.send(Ok(Admission::Changed(seen))).is_ok() {
+                offered.push((request.targets, currents, request.decision, request.done));
+            }
+        }
+        for (targets, currents, decision, done) in offered {
+            // A writer that declined (its decision failed, or it decides outside) or went away
+            // drops its sender.
+            if let Ok(decided) = decision.await {
+                accepted.push(Accepted {
+                    targets,
+                    currents,
+                    decided,
+                    done,
+                });
+            }
+        }
+        Ok(accepted)
     }
 
     /// Applies every accepted writer's mutations in order, advances the counter and commits;
@@ -477,29 +567,60 @@ impl Store {
     }
 
     /// Takes the counter's row lock (ordering this transaction against every writer, in this
-    /// process or another) and reads the current row of each request's targets under it.
+    /// process or another) and reads the current version of each request's targets under it.
     async fn read_currents(
         &self,
         txn: &DatabaseTransaction,
         groups: &[&[OwnedTarget]],
     ) -> Result<(i64, Vec<Vec<Option<Current>>>), StoreError> {
         let (base_rv, _) = lock_counter(txn, self.backend(), self.cluster_id()).await?;
+        let rows = self.read_rows(txn, groups, false).await?;
+        let currents = rows
+            .into_iter()
+            .map(|group| {
+                group
+                    .into_iter()
+                    .map(|r| r.map(|r| Current { id: r.id, rv: r.rv }))
+                    .collect()
+            })
+            .collect();
+        Ok((base_rv, currents))
+    }
+
+    /// What a writer decides on: its targets' rows as they are now, read outside any round.
+    pub(super) async fn read_seen(
+        &self,
+        targets: &[OwnedTarget],
+    ) -> Result<Vec<Option<Seen>>, StoreError> {
+        let mut rows = self.read_rows(self.connection(), &[targets], true).await?;
+        let rows = rows.pop().unwrap_or_default();
+        Ok(rows.into_iter().map(|r| r.map(Row::seen)).collect())
+    }
+
+    /// The rows of each group's targets, in the groups' shape (`None`: no such object).
+    async fn read_rows(
+        &self,
+        connection: &impl ConnectionTrait,
+        groups: &[&[OwnedTarget]],
+        with_bodies: bool,
+    ) -> Result<Vec<Vec<Option<Row>>>, StoreError> {
         let all: Vec<&OwnedTarget> = groups.iter().flat_map(|g| g.iter()).collect();
-        let mut found: HashMap<(String, String, String), Current> = HashMap::new();
+        let mut found: HashMap<(String, String, String), Row> = HashMap::new();
         for chunk in all.chunks(KEYS_PER_READ) {
-            let rows = txn
-                .query_all(&current_rows_query(self.cluster_id(), chunk))
-                .await?;
-            for row in rows {
+            let query = current_rows_query(self.cluster_id(), chunk, with_bodies);
+            for row in connection.query_all(&query).await? {
                 let key: (String, String, String) = (
                     row.try_get("", "resource")?,
                     row.try_get("", "namespace")?,
                     row.try_get("", "name")?,
                 );
-                let body = self
-                    .bodies()
-                    .decode_required(&row, "body", || format!("{}/{}", key.1, key.2))?;
-                let current = Current {
+                let body = match with_bodies {
+                    true => self
+                        .bodies()
+                        .decode_required(&row, "body", || format!("{}/{}", key.1, key.2))?,
+                    false => String::new(),
+                };
+                let current = Row {
                     id: row.try_get("", "id")?,
                     rv: row.try_get("", "resource_version")?,
                     body,
@@ -507,7 +628,7 @@ impl Store {
                 found.insert(key, current);
             }
         }
-        let currents = groups
+        Ok(groups
             .iter()
             .map(|targets| {
                 targets
@@ -518,8 +639,23 @@ impl Store {
                     })
                     .collect()
             })
-            .collect();
-        Ok((base_rv, currents))
+            .collect())
+    }
+}
+
+/// An object's row as a round or a writer reads it (`body` empty when not asked for).
+struct Row {
+    id: i64,
+    rv: i64,
+    body: String,
+}
+
+impl Row {
+    fn seen(self) -> Seen {
+        Seen {
+            rv: self.rv,
+            body: self.body,
+        }
     }
 }
 
@@ -533,7 +669,17 @@ fn round_rule_keys(accepted: &[Accepted]) -> HashSet<RuleKey> {
         match (&decided.mutation, &decided.prepared) {
             // Most results share their rule with others of the round: copy each rule once.
             (Mutation::Put(_), Some(prepared)) => {
-                for row in &prepared.results {
+                let known = prepared
+                    .rule_ids
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat(None));
+                for (row, _) in prepared
+                    .results
+                    .iter()
+                    .zip(known)
+                    .filter(|(_, k)| k.is_none())
+                {
                     if !keys.contains(&row.rule) {
                         keys.insert(row.rule.clone());
                     }
@@ -641,7 +787,7 @@ mod tests {
         let chunk: Vec<&OwnedTarget> = targets.iter().collect();
         let plan = crate::store::sqlite_query_plan(
             &store,
-            &current_rows_query(store.cluster_id(), &chunk),
+            &current_rows_query(store.cluster_id(), &chunk, true),
         )
         .await;
         let seeks = plan

@@ -20,6 +20,7 @@ pub mod feed;
 mod group_commit;
 pub mod lease;
 pub mod migration;
+mod mutate;
 mod prepared;
 mod read;
 pub mod ring;

@@ -55,6 +55,9 @@ pub(super) struct Prepared {
     pub metadata: VersionSlot,
     pub columns: ObjectColumns,
     pub results: Vec<ResultRow>,
+    /// The rule id of each result that the writer found committed (see [`super::rules`]);
+    /// the round resolves the others.
+    pub rule_ids: Vec<Option<i64>>,
 }
 
 impl Prepared {
@@ -74,6 +77,7 @@ impl Prepared {
             metadata,
             columns,
             results: result_rows(resource, object),
+            rule_ids: Vec::new(),
         })
     }
 }
@@ -84,6 +88,9 @@ pub(super) struct RowParts {
     pub body: String,
     pub columns: ObjectColumns,
     pub results: Vec<ResultRow>,
+    /// Rule ids known before the round, by result (shorter than `results`, or empty, when
+    /// some are not).
+    pub rule_ids: Vec<Option<i64>>,
 }
 
 impl RowParts {
@@ -107,6 +114,7 @@ impl RowParts {
                     body: p.body.with(rv),
                     columns,
                     results: p.results,
+                    rule_ids: p.rule_ids,
                 };
                 debug_assert_eq!(parts.body, object.to_string(), "prepared body");
                 debug_assert_eq!(
@@ -120,6 +128,7 @@ impl RowParts {
                 body: object.to_string(),
                 columns: ObjectColumns::of(resource, object),
                 results: result_rows(resource, object),
+                rule_ids: Vec::new(),
             },
         }
     }

@@ -1,8 +1,9 @@
-//! Writes. Every write runs in one transaction that (1) takes the resourceVersion counter's row
-//! lock, (2) reads the current object, (3) lets the caller decide the new state from it, (4)
-//! writes the object, its labels and its result rows, and (5) appends to the change log. Because
-//! the caller's decision happens under the lock, read-modify-write requests (patch, apply,
-//! finalizer removal) never race and never need a retry loop.
+//! Writes. Every write runs in a group commit round (see `group_commit`) whose transaction (1)
+//! takes the resourceVersion counter's row lock, (2) checks that each target is still at the
+//! version its writer decided on (see `mutate`), (3) writes the object, its labels and its
+//! result rows, and (4) appends to the change log. A read-modify-write request (patch, apply,
+//! finalizer removal) whose object changed in between decides again on the new state, so
+//! such requests never race and never surface a conflict the client did not cause.
 //!
 //! One copy of each body: the change-log entry of an object's current version does not repeat
 //! the body the `objects` row holds (its `body` is [`BODY_IN_OBJECTS`], and the feed reads it
@@ -22,10 +23,11 @@ use serde_json::Value;
 
 use super::columns::{ObjectColumns, ResultRow};
 use super::feed::{EventType, NOTIFY_CHANNEL};
+use super::mutate::current_rv;
 use super::prepared::{Prepared, RowParts};
 use super::rules::RoundRules;
 use super::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
-use super::{Store, StoreError, parse_document};
+use super::{Store, StoreError};
 
 /// What a write does to one object, decided from its current state.
 #[derive(Debug)]
@@ -87,145 +89,6 @@ pub(super) fn now_unix() -> i64 {
 }
 
 impl Store {
-    /// Reads the object at `namespace/name`, lets `decide` choose what to do, and does it.
-    pub async fn mutate<E, F>(
-        &self,
-        resource: &'static ResourceDescriptor,
-        namespace: &str,
-        name: &str,
-        dry_run: bool,
-        decide: F,
-    ) -> Result<WriteOutcome, E>
-    where
-        E: From<StoreError>,
-        F: FnOnce(Option<Value>) -> Result<Mutation, E>,
-    {
-        let mut decide = Some(decide);
-        let mut outcomes = self
-            .mutate_batch(
-                &[Target {
-                    resource,
-                    namespace,
-                    name,
-                }],
-                dry_run,
-                |_, current| (decide.take().expect("called once per target"))(current),
-            )
-            .await?;
-        Ok(outcomes.pop().expect("one outcome per target"))
-    }
-
-    /// Stores whole objects as given (server-owned metadata included; namespace and name from
-    /// their metadata) in one transaction, replacing any with the same name; returns the last
-    /// resourceVersion written. For loading many objects at once: benchmarks and tests seed
-    /// with it; API writes go through [`Store::mutate`].
-    pub async fn put_all(
-        &self,
-        resource: &'static ResourceDescriptor,
-        objects: Vec<Value>,
-    ) -> Result<i64, StoreError> {
-        let keys: Vec<(String, String)> = objects
-            .iter()
-            .map(|o| {
-                let text = |field: &str| o["metadata"][field].as_str().unwrap_or("").to_owned();
-                (text("namespace"), text("name"))
-            })
-            .collect();
-        let targets: Vec<Target<'_>> = keys
-            .iter()
-            .map(|(namespace, name)| Target {
-                resource,
-                namespace,
-                name,
-            })
-            .collect();
-        let mut objects: Vec<Option<Value>> = objects.into_iter().map(Some).collect();
-        let outcomes = self
-            .mutate_batch::<StoreError, _>(&targets, false, |i, _| {
-                Ok(Mutation::Put(
-                    objects[i].take().expect("one decision per target"),
-                ))
-            })
-            .await?;
-        Ok(outcomes.last().map_or(0, |o| o.resource_version))
-    }
-
-    /// Applies a decision to each target in one transaction: all of them or none.
-    pub async fn mutate_batch<E, F>(
-        &self,
-        targets: &[Target<'_>],
-        dry_run: bool,
-        mut decide: F,
-    ) -> Result<Vec<WriteOutcome>, E>
-    where
-        E: From<StoreError>,
-        F: FnMut(usize, Option<Value>) -> Result<Mutation, E>,
-    {
-        if dry_run {
-            let mut outcomes = Vec::with_capacity(targets.len());
-            for (i, t) in targets.iter().enumerate() {
-                let current = self.get_object(t.resource, t.namespace, t.name).await?;
-                let rv = current.as_ref().and_then(current_rv).unwrap_or(0);
-                outcomes.push(match decide(i, current.clone())? {
-                    Mutation::Put(object) => WriteOutcome {
-                        event: Some(if current.is_some() {
-                            EventType::Modified
-                        } else {
-                            EventType::Added
-                        }),
-                        object: Some(object),
-                        json: None,
-                        resource_version: rv,
-                    },
-                    Mutation::Delete => WriteOutcome {
-                        object: current,
-                        json: None,
-                        event: Some(EventType::Deleted),
-                        resource_version: rv,
-                    },
-                    Mutation::Unchanged => WriteOutcome {
-                        object: current,
-                        json: None,
-                        event: None,
-                        resource_version: rv,
-                    },
-                });
-            }
-            return Ok(outcomes);
-        }
-
-        if targets.is_empty() {
-            return Ok(Vec::new());
-        }
-        // See `group_commit`: the leader offers the current bodies, this task decides, the
-        // leader writes and commits with everything else queued.
-        let ticket = self.enqueue(targets)?;
-        let bodies = ticket.offer.await.map_err(|_| leader_gone())??;
-        let mut decided = Vec::with_capacity(targets.len());
-        for (i, (target, body)) in targets.iter().zip(bodies).enumerate() {
-            let current = match body {
-                Some(body) => Some(parse_document(
-                    &format!("{}/{}", target.namespace, target.name),
-                    &body,
-                )?),
-                None => None,
-            };
-            // An error here drops the ticket: the leader leaves this writer out of the round.
-            let mut mutation = decide(i, current.clone())?;
-            let prepared = match &mut mutation {
-                Mutation::Put(object) => Prepared::of(target.resource, object),
-                Mutation::Delete | Mutation::Unchanged => None,
-            };
-            decided.push(Decided {
-                mutation,
-                current,
-                prepared,
-            });
-        }
-        ticket.decision.send(decided).map_err(|_| leader_gone())?;
-        Ok(ticket.done.await.map_err(|_| leader_gone())??)
-    }
-
     /// Writes one decided mutation of a round: the object row, its side rows and its
     /// change-log entry, with the next resourceVersion (`rv` is the round's last one so far).
     #[allow(clippy::too_many_arguments)]
@@ -371,8 +234,9 @@ impl Store {
             body,
             columns: cols,
             results,
+            rule_ids: known,
         } = parts;
-        let rule_ids = rules.ids_of(&results)?;
+        let rule_ids = rules.ids_of(&results, &known)?;
         let mut insert = objects_head();
         insert.values_panic(self.object_values(key, t, &cols, body, rv));
         let id = if self.backend() == DbBackend::MySql {
@@ -405,6 +269,7 @@ impl Store {
             body,
             columns: cols,
             results,
+            rule_ids: known,
         } = parts;
         txn.execute(
             &Query::update()
@@ -433,7 +298,7 @@ impl Store {
         )
         .await?;
         self.delete_side_rows(txn, &[id]).await?;
-        let rule_ids = rules.ids_of(&results)?;
+        let rule_ids = rules.ids_of(&results, &known)?;
         self.write_side_rows(txn, &Expr::val(id), &cols, results, &rule_ids)
             .await
     }
@@ -700,8 +565,9 @@ impl Store {
                     body,
                     columns: cols,
                     results,
+                    rule_ids: known,
                 } = parts;
-                let rule_ids = rules.ids_of(&results)?;
+                let rule_ids = rules.ids_of(&results, &known)?;
                 staged.changes.push(self.change_values(
                     key,
                     target,
@@ -1081,7 +947,6 @@ pub(super) async fn lock_counter(
 pub(super) struct Current {
     pub(super) id: i64,
     pub(super) rv: i64,
-    pub(super) body: String,
 }
 
 /// A writer's decision on one target, with the current object it was made on.
@@ -1205,16 +1070,6 @@ impl Decided {
             resource_version: applied.resource_version,
         }
     }
-}
-
-fn leader_gone() -> StoreError {
-    StoreError::unavailable("the write's group commit ended before it finished; retry the request")
-}
-
-fn current_rv(object: &Value) -> Option<i64> {
-    object["metadata"]["resourceVersion"]
-        .as_str()
-        .and_then(|s| s.parse().ok())
 }
 
 /// Drops change-log entries older than the retention window and beyond the count bound,

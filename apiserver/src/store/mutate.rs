@@ -1,0 +1,331 @@
+//! The write API, the writer's side: read, decide outside the round, hand the decision over.
+//!
+//! A writer's decision grows with its request: a 3 MiB report is parsed, validated, given its
+//! managed fields and cut into 12,000 result rows. Made while a group commit round waits for it
+//! (holding the transaction and the counter's row lock), it held every other writer: an
+//! unrelated create waited 0.3–0.6 s behind one such write. So a writer reads its targets first,
+//! outside any transaction, decides on what it read, and queues the decision with the versions
+//! it decided on. A round writes a decision whose targets are still at those versions without
+//! waiting for anyone. When a target changed in between, the round offers the writer what is
+//! current: a decision that was cheap is made again inside the round (hot objects keep their
+//! throughput); an expensive one steps out of the round and decides again outside, and only
+//! after [`OUTSIDE_ATTEMPTS`] such rounds inside (so a writer racing a stream of others still
+//! finishes).
+
+use std::time::{Duration, Instant};
+
+use reports_server_crds::ResourceDescriptor;
+use serde_json::Value;
+
+use super::EventType::{Added, Deleted, Modified};
+use super::group_commit::{Admission, OwnedTarget, Presumed};
+use super::prepared::Prepared;
+use super::write::{Decided, Mutation, Target, WriteOutcome};
+use super::{Store, StoreError, parse_document};
+
+/// A decision that took longer than this is not made again inside a round.
+const INSIDE_DECISION_BUDGET: Duration = Duration::from_millis(2);
+
+/// Decisions made outside before a writer whose targets keep changing decides inside a round.
+const OUTSIDE_ATTEMPTS: usize = 3;
+
+/// A target's stored row as a writer read it.
+pub(super) struct Seen {
+    pub(super) rv: i64,
+    pub(super) body: String,
+}
+
+impl Store {
+    /// Reads the object at `namespace/name`, lets `decide` choose what to do, and does it.
+    /// `decide` runs again when the object changed between its read and the write.
+    pub async fn mutate<E, F>(
+        &self,
+        resource: &'static ResourceDescriptor,
+        namespace: &str,
+        name: &str,
+        dry_run: bool,
+        mut decide: F,
+    ) -> Result<WriteOutcome, E>
+    where
+        E: From<StoreError>,
+        F: FnMut(Option<Value>) -> Result<Mutation, E>,
+    {
+        let target = Target {
+            resource,
+            namespace,
+            name,
+        };
+        let mut outcomes = self
+            .mutate_batch(&[target], dry_run, |_, current| decide(current))
+            .await?;
+        Ok(outcomes.pop().expect("one outcome per target"))
+    }
+
+    /// Stores whole objects as given (server-owned metadata included; namespace and name from
+    /// their metadata) in one transaction, replacing any with the same name; returns the last
+    /// resourceVersion written. For loading many objects at once: benchmarks and tests seed
+    /// with it; API writes go through [`Store::mutate`].
+    pub async fn put_all(
+        &self,
+        resource: &'static ResourceDescriptor,
+        objects: Vec<Value>,
+    ) -> Result<i64, StoreError> {
+        let keys: Vec<(String, String)> = objects
+            .iter()
+            .map(|o| {
+                let text = |field: &str| o["metadata"][field].as_str().unwrap_or("").to_owned();
+                (text("namespace"), text("name"))
+            })
+            .collect();
+        let targets: Vec<Target<'_>> = keys
+            .iter()
+            .map(|(namespace, name)| Target {
+                resource,
+                namespace,
+                name,
+            })
+            .collect();
+        let outcomes = self
+            .mutate_batch::<StoreError, _>(&targets, false, |i, _| {
+                Ok(Mutation::Put(objects[i].clone()))
+            })
+            .await?;
+        Ok(outcomes.last().map_or(0, |o| o.resource_version))
+    }
+
+    /// Applies a decision to each target in one transaction: all of them or none. `decide`
+    /// runs once per target, and again for every target when one of them changed between the
+    /// read it decided on and the write.
+    pub async fn mutate_batch<E, F>(
+        &self,
+        targets: &[Target<'_>],
+        dry_run: bool,
+        mut decide: F,
+    ) -> Result<Vec<WriteOutcome>, E>
+    where
+        E: From<StoreError>,
+        F: FnMut(usize, Option<Value>) -> Result<Mutation, E>,
+    {
+        if dry_run {
+            return self.dry_run(targets, decide).await;
+        }
+        if targets.is_empty() {
+            return Ok(Vec::new());
+        }
+        let owned = OwnedTarget::all_of(targets)?;
+        let mut seen = self.read_seen(&owned).await?;
+        let mut attempt = 0;
+        loop {
+            let began = Instant::now();
+            let versions = seen.iter().map(|s| s.as_ref().map(|s| s.rv)).collect();
+            let decided = self.decide_on(targets, seen, &mut decide)?;
+            let cheap = began.elapsed() <= INSIDE_DECISION_BUDGET;
+            let ticket = self.enqueue(owned.clone(), Presumed { versions, decided });
+            let now = match ticket.offer.await.map_err(|_| leader_gone())?? {
+                Admission::Accepted => {
+                    return Ok(ticket.done.await.map_err(|_| leader_gone())??);
+                }
+                Admission::Changed(now) => now,
+            };
+            attempt += 1;
+            if cheap || attempt >= OUTSIDE_ATTEMPTS {
+                // An error here drops the ticket: the round goes on without this writer.
+                let decided = self.decide_on(targets, now, &mut decide)?;
+                ticket.decision.send(decided).map_err(|_| leader_gone())?;
+                return Ok(ticket.done.await.map_err(|_| leader_gone())??);
+            }
+            // Dropping the ticket steps out of the round; the next attempt decides on `now`.
+            seen = now;
+        }
+    }
+
+    /// What `decide` would do, read and decided without writing.
+    async fn dry_run<E, F>(
+        &self,
+        targets: &[Target<'_>],
+        mut decide: F,
+    ) -> Result<Vec<WriteOutcome>, E>
+    where
+        E: From<StoreError>,
+        F: FnMut(usize, Option<Value>) -> Result<Mutation, E>,
+    {
+        let mut outcomes = Vec::with_capacity(targets.len());
+        for (i, t) in targets.iter().enumerate() {
+            let current = self.get_object(t.resource, t.namespace, t.name).await?;
+            let rv = current.as_ref().and_then(current_rv).unwrap_or(0);
+            let (object, event) = match decide(i, current.clone())? {
+                Mutation::Put(object) if current.is_some() => (Some(object), Some(Modified)),
+                Mutation::Put(object) => (Some(object), Some(Added)),
+                Mutation::Delete => (current, Some(Deleted)),
+                Mutation::Unchanged => (current, None),
+            };
+            outcomes.push(WriteOutcome {
+                object,
+                json: None,
+                event,
+                resource_version: rv,
+            });
+        }
+        Ok(outcomes)
+    }
+}
+
+impl Store {
+    /// The writer's decision on each target from the rows it saw, each put's row prepared (the
+    /// result rows cut, the body's columns taken, the rules this process knows looked up) so
+    /// the round only has to write it.
+    fn decide_on<E, F>(
+        &self,
+        targets: &[Target<'_>],
+        seen: Vec<Option<Seen>>,
+        decide: &mut F,
+    ) -> Result<Vec<Decided>, E>
+    where
+        E: From<StoreError>,
+        F: FnMut(usize, Option<Value>) -> Result<Mutation, E>,
+    {
+        let mut decided = Vec::with_capacity(targets.len());
+        for (i, (target, seen)) in targets.iter().zip(seen).enumerate() {
+            let current = match seen {
+                Some(seen) => Some(parse_document(
+                    &format!("{}/{}", target.namespace, target.name),
+                    &seen.body,
+                )?),
+                None => None,
+            };
+            let mut mutation = decide(i, current.clone())?;
+            let prepared = match &mut mutation {
+                Mutation::Put(object) => Prepared::of(target.resource, object).map(|mut p| {
+                    p.rule_ids = self.rule_cache.known_ids(&p.results);
+                    p
+                }),
+                Mutation::Delete | Mutation::Unchanged => None,
+            };
+            decided.push(Decided {
+                mutation,
+                current,
+                prepared,
+            });
+        }
+        Ok(decided)
+    }
+}
+
+fn leader_gone() -> StoreError {
+    StoreError::unavailable("the write's group commit ended before it finished; retry the request")
+}
+
+pub(super) fn current_rv(object: &Value) -> Option<i64> {
+    object["metadata"]["resourceVersion"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use reports_server_crds::catalog::POLICY_REPORT;
+    use serde_json::json;
+
+    use super::*;
+    use crate::store::StoreOptions;
+
+    async fn store(dir: &tempfile::TempDir) -> Store {
+        let url = format!("sqlite://{}?mode=rwc", dir.path().join("db").display());
+        Store::connect(StoreOptions::new(url)).await.unwrap()
+    }
+
+    fn report(name: &str, count: u64) -> Value {
+        json!({"apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
+            "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}"),
+                "creationTimestamp": "2026-11-26T00:00:00Z",
+                "labels": {"count": count.to_string()}}})
+    }
+
+    fn count_of(object: &Value) -> u64 {
+        object["metadata"]["labels"]["count"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+
+    /// Increments the `count` label of `name`, deciding for at least `decision` each time.
+    async fn increment(store: &Store, name: &str, decision: Duration) -> WriteOutcome {
+        store
+            .mutate::<StoreError, _>(&POLICY_REPORT, "ns", name, false, |current| {
+                std::thread::sleep(decision);
+                let mut next = current.expect("seeded");
+                let count = count_of(&next);
+                next["metadata"]["labels"]["count"] = json!((count + 1).to_string());
+                Ok(Mutation::Put(next))
+            })
+            .await
+            .unwrap()
+    }
+
+    /// A slow decision is made before the writer's round: a write to another object does not
+    /// wait for it (it did, for as long as the decision took, when rounds waited for it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_slow_decision_does_not_hold_other_writers() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(&dir).await;
+        store
+            .put_all(&POLICY_REPORT, vec![report("slow", 0)])
+            .await
+            .unwrap();
+        let slow = tokio::spawn({
+            let store = store.clone();
+            async move { increment(&store, "slow", Duration::from_millis(600)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let began = Instant::now();
+        store
+            .mutate::<StoreError, _>(&POLICY_REPORT, "ns", "other", false, |_| {
+                Ok(Mutation::Put(report("other", 0)))
+            })
+            .await
+            .unwrap();
+        let other = began.elapsed();
+        assert!(!slow.is_finished(), "the slow writer is still deciding");
+        assert!(
+            other < Duration::from_millis(400),
+            "an unrelated write took {other:?} beside a 600 ms decision"
+        );
+        assert_eq!(count_of(&slow.await.unwrap().object.unwrap()), 1);
+    }
+
+    /// Writers racing on one object, slow deciders (which step out of the round and decide
+    /// again outside) among fast ones (which decide again inside): every increment lands once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_writers_decide_again_on_what_changed_and_lose_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(store(&dir).await);
+        store
+            .put_all(&POLICY_REPORT, vec![report("hot", 0)])
+            .await
+            .unwrap();
+        let mut tasks = Vec::new();
+        for w in 0..24u64 {
+            let store = store.clone();
+            let decision = Duration::from_millis(if w % 4 == 0 { 5 } else { 0 });
+            tasks.push(tokio::spawn(async move {
+                increment(&store, "hot", decision).await.resource_version
+            }));
+        }
+        let mut versions = Vec::new();
+        for task in tasks {
+            versions.push(task.await.unwrap());
+        }
+        versions.sort_unstable();
+        versions.dedup();
+        assert_eq!(versions.len(), 24, "one version per write");
+        let last = store
+            .get_object(&POLICY_REPORT, "ns", "hot")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(count_of(&last), 24, "every increment landed once");
+    }
+}
