@@ -141,6 +141,16 @@ pub struct DatabaseArgs {
         default_value_t = 10
     )]
     db_connect_timeout_seconds: u64,
+    /// Milliseconds the health probe (every 500 ms, on a connection of its own) waits for the
+    /// database; without an answer, data requests answer 503 at once until it answers again.
+    /// Discovery and readiness never depend on it.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_DB_PROBE_TIMEOUT_MS",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    db_probe_timeout_ms: u64,
     /// Most objects written in one transaction by group commit: writes that arrive while a
     /// commit runs share the next one (each keeps its own resourceVersion; a failing write
     /// fails alone). 1 turns grouping off.
@@ -300,6 +310,7 @@ impl DatabaseArgs {
         options.cluster_id = self.cluster_id.clone();
         options.max_connections = self.db_max_connections;
         options.connect_timeout = std::time::Duration::from_secs(self.db_connect_timeout_seconds);
+        options.probe_timeout = std::time::Duration::from_millis(self.db_probe_timeout_ms);
         options.group_commit_max_writes = self.group_commit_max_writes as usize;
         Ok(options)
     }
@@ -409,7 +420,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         reports_server_apiserver::registry::Registry::new(server.store.clone(), None),
     )?;
     let settled = migration.as_ref().map(|w| w.settled());
-    let migration = migration.map(|w| tokio::spawn(w.run(server.shutdown_token())));
+    let migration = migration.map(|w| {
+        let (health, stop) = (server.store.health().clone(), server.shutdown_token());
+        // A server started while its database was down migrates once the store started.
+        tokio::spawn(async move {
+            tokio::select! {
+                () = health.came_up() => w.run(stop).await,
+                () = stop.cancelled() => {}
+            }
+        })
+    });
     let aggregation = args.aggregation.spawn(&server, cluster.as_ref(), settled);
     let token = server.shutdown_token();
     let draining = server.draining_token();

@@ -999,6 +999,11 @@ pub async fn run_in_process(
     cluster: Option<ClusterAccess>,
     cancel: CancellationToken,
 ) {
+    // A server started while its database was down starts aggregating once the store started.
+    tokio::select! {
+        () = store.health().came_up() => {}
+        () = cancel.cancelled() => return,
+    }
     let mut aggregator = InProcessAggregator::new(store, config, metrics);
     if let Some(cluster) = cluster {
         aggregator = aggregator.with_cluster(cluster);

@@ -116,6 +116,8 @@ pub struct ServingReload {
 }
 
 /// Starts the server: PKI, database (migrated), listener, and in standalone mode the kubeconfig.
+/// A database that cannot be reached does not stop it: discovery is served at once, data
+/// requests once the database answers (see `store::health`).
 pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
     let mut extra_names = vec![config.bind.ip().to_string()];
     extra_names.extend(config.serving_names.iter().cloned());
@@ -124,7 +126,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
         .serving
         .clone()
         .unwrap_or_else(|| pki.serving.clone());
-    let store = Store::connect(config.store.clone()).await?;
+    let store = Store::connect_or_wait(config.store.clone()).await?;
     let listener = server::bind(config.bind).await?;
     let addr = listener
         .local_addr()

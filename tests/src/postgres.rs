@@ -1,6 +1,7 @@
 //! A real PostgreSQL for tests: the one named by `DATABASE_URL` (a `postgres://` URL), or a
 //! throwaway cluster started with Debian's `initdb`/`pg_ctl` on a free loopback port. Each
-//! caller gets a fresh database in it.
+//! caller gets a fresh database in it. A test that stops and starts its database (an outage)
+//! owns a cluster of its own instead: [`OwnedPostgres`].
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,8 +12,8 @@ use anyhow::{Context, bail};
 struct Cluster {
     /// `postgres://user@127.0.0.1:port` without a database.
     base_url: String,
-    data_dir: Option<PathBuf>,
-    bin: PathBuf,
+    /// The cluster this process started; `None` when `DATABASE_URL` names one.
+    instance: Option<Instance>,
 }
 
 static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
@@ -58,19 +59,134 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// One PostgreSQL cluster of this process: a data directory under the temp dir and the port
+/// it serves on, which stays the same across stops so that URLs handed out keep working.
+struct Instance {
+    bin: PathBuf,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl Instance {
+    /// `initdb` into a new directory (not started yet).
+    fn create(label: &str) -> anyhow::Result<Instance> {
+        let bin = pg_bin()?;
+        let dir = std::env::temp_dir().join(format!(
+            "reports-server-pg-{label}{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        if unsafe { libc::geteuid() } == 0 {
+            let status = Command::new("chown")
+                .args(["postgres:postgres", dir.to_str().unwrap()])
+                .status()?;
+            if !status.success() {
+                bail!(
+                    "cannot chown {} to postgres (is the postgres user present? apt-get install -y postgresql)",
+                    dir.display()
+                );
+            }
+        }
+        let out = as_postgres(
+            &bin.join("initdb"),
+            &[
+                "-D",
+                dir.to_str().unwrap(),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+        )
+        .output()?;
+        if !out.status.success() {
+            let _ = std::fs::remove_dir_all(&dir);
+            bail!("initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(Instance {
+            bin,
+            dir,
+            port: free_port(),
+        })
+    }
+
+    /// `pg_ctl start`, waiting until it accepts connections.
+    fn start(&self) -> anyhow::Result<()> {
+        let d = self.dir.to_str().unwrap();
+        let opts = format!(
+            "-p {} -k {d} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300 -c shared_buffers=128MB",
+            self.port
+        );
+        let out = as_postgres(
+            &self.bin.join("pg_ctl"),
+            &[
+                "-D",
+                d,
+                "-o",
+                &opts,
+                "-l",
+                &format!("{d}/log"),
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+        )
+        .output()?;
+        if !out.status.success() {
+            let log = std::fs::read_to_string(self.dir.join("log")).unwrap_or_default();
+            bail!(
+                "pg_ctl start failed: {}\n{log}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    /// `pg_ctl stop -m immediate`: connections are cut at once, as when the database host dies.
+    fn stop(&self) -> anyhow::Result<()> {
+        let out = as_postgres(
+            &self.bin.join("pg_ctl"),
+            &[
+                "-D",
+                self.dir.to_str().unwrap(),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            ],
+        )
+        .output()?;
+        if !out.status.success() {
+            bail!(
+                "pg_ctl stop failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    fn base_url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}", self.port)
+    }
+
+    /// Stops it (if running) and removes its directory.
+    fn discard(&self) {
+        let _ = self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 extern "C" fn stop_cluster() {
     if let Some(Ok(Cluster {
-        data_dir: Some(dir),
-        bin,
+        instance: Some(instance),
         ..
     })) = CLUSTER.get()
     {
-        let _ = as_postgres(
-            &bin.join("pg_ctl"),
-            &["-D", dir.to_str().unwrap(), "-m", "immediate", "-w", "stop"],
-        )
-        .output();
-        let _ = std::fs::remove_dir_all(dir);
+        instance.discard();
     }
 }
 
@@ -84,78 +200,18 @@ fn start_cluster() -> anyhow::Result<Cluster> {
             .unwrap_or(url);
         return Ok(Cluster {
             base_url: base,
-            data_dir: None,
-            bin: pg_bin().unwrap_or_default(),
+            instance: None,
         });
     }
-    let bin = pg_bin()?;
-    let dir = std::env::temp_dir().join(format!(
-        "reports-server-pg-{}-{}",
-        std::process::id(),
-        free_port()
-    ));
-    std::fs::create_dir_all(&dir)?;
-    if unsafe { libc::geteuid() } == 0 {
-        let status = Command::new("chown")
-            .args(["postgres:postgres", dir.to_str().unwrap()])
-            .status()?;
-        if !status.success() {
-            bail!(
-                "cannot chown {} to postgres (is the postgres user present? apt-get install -y postgresql)",
-                dir.display()
-            );
-        }
-    }
-    let d = dir.to_str().unwrap();
-    let out = as_postgres(
-        &bin.join("initdb"),
-        &[
-            "-D",
-            d,
-            "-U",
-            "postgres",
-            "--auth=trust",
-            "-E",
-            "UTF8",
-            "--no-sync",
-        ],
-    )
-    .output()?;
-    if !out.status.success() {
-        bail!("initdb failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let port = free_port();
-    let opts = format!(
-        "-p {port} -k {d} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300 -c shared_buffers=128MB"
-    );
-    let out = as_postgres(
-        &bin.join("pg_ctl"),
-        &[
-            "-D",
-            d,
-            "-o",
-            &opts,
-            "-l",
-            &format!("{d}/log"),
-            "-w",
-            "-t",
-            "60",
-            "start",
-        ],
-    )
-    .output()?;
-    if !out.status.success() {
-        let log = std::fs::read_to_string(dir.join("log")).unwrap_or_default();
-        bail!(
-            "pg_ctl start failed: {}\n{log}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    let instance = Instance::create("")?;
+    if let Err(e) = instance.start() {
+        instance.discard();
+        return Err(e);
     }
     unsafe { libc::atexit(stop_cluster) };
     Ok(Cluster {
-        base_url: format!("postgres://postgres@127.0.0.1:{port}"),
-        data_dir: Some(dir),
-        bin,
+        base_url: instance.base_url(),
+        instance: Some(instance),
     })
 }
 
@@ -196,6 +252,46 @@ pub fn fresh_database() -> anyhow::Result<String> {
         );
     }
     Ok(format!("{}/{name}", cluster.base_url))
+}
+
+/// A PostgreSQL cluster of one test's own, which the test may stop and start again (a database
+/// outage) without touching the databases of the tests beside it. Always a local throwaway
+/// cluster, even when `DATABASE_URL` names a server: a test cannot stop a server it does not
+/// own. Stopped and removed on drop.
+pub struct OwnedPostgres {
+    instance: Instance,
+}
+
+impl OwnedPostgres {
+    /// Initialises and starts a cluster on a free loopback port.
+    pub fn start() -> anyhow::Result<Self> {
+        let instance = Instance::create("owned-")?;
+        // Dropping `owned` on a failed start removes the directory.
+        let owned = OwnedPostgres { instance };
+        owned.instance.start()?;
+        Ok(owned)
+    }
+
+    /// The URL of its `postgres` database; the same before and after a stop.
+    pub fn url(&self) -> String {
+        format!("{}/postgres", self.instance.base_url())
+    }
+
+    /// Stops it at once (`pg_ctl -m immediate`): open connections are cut and new ones refused.
+    pub fn stop(&self) -> anyhow::Result<()> {
+        self.instance.stop()
+    }
+
+    /// Starts it again on the same port and data, waiting until it accepts connections.
+    pub fn start_again(&self) -> anyhow::Result<()> {
+        self.instance.start()
+    }
+}
+
+impl Drop for OwnedPostgres {
+    fn drop(&mut self) {
+        self.instance.discard();
+    }
 }
 
 pub(crate) fn which(program: &str) -> Option<PathBuf> {

@@ -176,7 +176,12 @@ async fn livez() -> &'static str {
     "ok"
 }
 
-async fn readyz(State(state): State<AppState>) -> Response {
+/// Ready means "this process can serve the API": listening, certificates loaded, not draining.
+/// The database's state is not part of it: a failing probe on every replica would empty the
+/// Service, and kube-apiserver would take the API groups out of discovery for the whole
+/// cluster (namespace deletion, the garbage collector, Helm and Argo CD stall on that). It is
+/// reported on its own: `reports_server_database_up`, the log, and 503s naming it.
+async fn readyz(State(state): State<AppState>, Query(query): Query<ReadyzQuery>) -> Response {
     if state.draining.is_cancelled() {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -184,24 +189,33 @@ async fn readyz(State(state): State<AppState>) -> Response {
         )
             .into_response();
     }
-    match tokio::time::timeout(Duration::from_secs(5), state.store.ping()).await {
-        Ok(Ok(())) => "ok".into_response(),
-        Ok(Err(e)) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("[-]database failed: {e}\nreadyz check failed\n"),
-        )
-            .into_response(),
-        Err(_) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "[-]database failed: no answer within 5s\nreadyz check failed\n",
-        )
-            .into_response(),
+    if query.verbose.is_none() {
+        return "ok".into_response();
     }
+    let database = match state.store.health().outage() {
+        None => "[+]database ok (informational)".to_owned(),
+        // The cause stays in the log: /readyz answers anyone.
+        Some((down_for, _)) => format!(
+            "[-]database: no answer for {}s, see the server's log (informational: data requests answer 503)",
+            down_for.as_secs()
+        ),
+    };
+    format!("[+]ping ok\n[+]shutdown ok\n{database}\nreadyz check passed\n").into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct ReadyzQuery {
+    verbose: Option<String>,
 }
 
 /// The cause of an error response, kept for the one log line of a 5xx.
 #[derive(Clone, Debug)]
 pub struct ErrorCause(pub String);
+
+/// Marks an expected 5xx whose cause was logged once elsewhere (every request refused during
+/// a database outage would otherwise log the outage again).
+#[derive(Clone, Copy, Debug)]
+pub struct LoggedElsewhere;
 
 /// One span per request; every 5xx logged once, with its cause, inside it.
 async fn trace_request(request: Request, next: Next) -> Response {
@@ -229,7 +243,12 @@ async fn trace_request(request: Request, next: Next) -> Response {
                 .extensions()
                 .get::<ErrorCause>()
                 .map_or("", |c| c.0.as_str());
-            tracing::error!(status = response.status().as_u16(), cause, "request failed");
+            let status = response.status().as_u16();
+            if response.extensions().get::<LoggedElsewhere>().is_some() {
+                tracing::debug!(status, cause, "request refused");
+            } else {
+                tracing::error!(status, cause, "request failed");
+            }
         }
         response
     }
@@ -570,7 +589,13 @@ async fn resource(
         mut params,
         force,
     } = request;
-    let result: Result<Response, ApiError> = async {
+    // While the database does not answer, refuse at once rather than after a connection
+    // timeout; a request caught in flight when it stops is ended (see `store::health`).
+    let health = state.store.health().clone();
+    if let Some((down_for, _)) = health.outage() {
+        return ApiError::database_down(down_for).into_response();
+    }
+    let work = async {
         let body = if info.verb.has_body() {
             read_body(&headers, body, state.options.max_request_bytes).await?
         } else {
@@ -608,8 +633,11 @@ async fn resource(
                 verb.as_str()
             ))),
         }
-    }
-    .await;
+    };
+    let result: Result<Response, ApiError> = tokio::select! {
+        result = work => result,
+        () = health.went_down() => Err(ApiError::database_lost(info.verb.is_write())),
+    };
     result.unwrap_or_else(IntoResponse::into_response)
 }
 

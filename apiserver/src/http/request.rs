@@ -40,6 +40,11 @@ impl Verb {
         })
     }
 
+    /// Whether the verb changes stored objects.
+    pub fn is_write(self) -> bool {
+        !matches!(self, Verb::Get | Verb::List | Verb::Watch)
+    }
+
     /// The verb as authorization and metrics spell it.
     pub fn as_str(self) -> &'static str {
         match self {

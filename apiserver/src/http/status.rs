@@ -20,6 +20,9 @@ pub struct ApiError {
     pub continue_token: Option<String>,
     /// What went wrong below, for the log only: a database driver's text is never sent.
     pub cause: Option<String>,
+    /// An expected refusal whose cause the server logged once already (a database outage):
+    /// not logged again per request.
+    pub logged_elsewhere: bool,
 }
 
 impl ApiError {
@@ -31,6 +34,7 @@ impl ApiError {
             details: None,
             continue_token: None,
             cause: None,
+            logged_elsewhere: false,
         }
     }
 
@@ -135,6 +139,40 @@ impl ApiError {
             "ServiceUnavailable",
             message,
         )
+    }
+
+    /// A data request refused because the database does not answer (the circuit is open, see
+    /// `store::health`): at once, instead of after a connection timeout.
+    pub fn database_down(down_for: std::time::Duration) -> Self {
+        ApiError {
+            logged_elsewhere: true,
+            ..Self::unavailable(format!(
+                "the database has not answered for {}s; policy reports cannot be read or written until it does (discovery is not affected); retry later",
+                down_for.as_secs()
+            ))
+        }
+    }
+
+    /// A request in progress when the database stopped answering. A write's outcome is then
+    /// unknown: kube-apiserver's answer for that is 504 `Timeout` (etcd's "request timed
+    /// out"), which clients read as "may or may not have happened".
+    pub fn database_lost(write: bool) -> Self {
+        let error = if write {
+            Self::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "Timeout",
+                "the database stopped answering while this write was in progress; whether it was stored is unknown: read the object before writing it again",
+            )
+            .with_details(json!({"retryAfterSeconds": 1}))
+        } else {
+            Self::unavailable(
+                "the database stopped answering during this request; policy reports cannot be read or written until it answers again; retry later",
+            )
+        };
+        ApiError {
+            logged_elsewhere: true,
+            ..error
+        }
     }
 
     /// The `Status` object.
@@ -250,6 +288,13 @@ impl From<RegistryError> for ApiError {
                 ApiError::unavailable(format!("{refusal}; retry later"))
                     .with_cause(source.to_string())
             }
+            RegistryError::Store(StoreError::Ambiguous(cause)) => ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "Timeout",
+                "the database did not confirm this write's commit; whether it was stored is unknown: read the object before writing it again",
+            )
+            .with_details(json!({"retryAfterSeconds": 1}))
+            .with_cause(cause),
             RegistryError::Store(e @ StoreError::Database(_)) => ApiError::internal(
                 "the database failed to run the request; the server's log has the cause",
             )
@@ -271,6 +316,9 @@ impl IntoResponse for ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if self.logged_elsewhere {
+            response.extensions_mut().insert(super::LoggedElsewhere);
         }
         if self.code.is_server_error() {
             let cause = match self.cause {

@@ -186,6 +186,7 @@ impl RegistryError {
             RegistryError::Store(StoreError::AlreadyExists) => "AlreadyExists",
             RegistryError::Store(e) if e.is_unavailable() => "ServiceUnavailable",
             RegistryError::Store(StoreError::Refused { .. }) => "ServiceUnavailable",
+            RegistryError::Store(StoreError::Ambiguous(_)) => "Timeout",
             RegistryError::Store(_) => "InternalError",
         }
     }

@@ -391,11 +391,17 @@ impl ChangeFeed {
                 _ = self.inner.wake.notified() => {}
                 _ = tokio::time::sleep(poll) => {}
             }
+            // During an outage the health probe logs it once; the feed retries quietly and
+            // its watchers stay open (bookmarks keep flowing) until the log can be read again.
             if let Err(e) = self.catch_up(&store).await {
-                tracing::warn!(error = %e, "change feed could not read the change log; retrying");
+                if store.health().is_up() {
+                    tracing::warn!(error = %e, "change feed could not read the change log; retrying");
+                }
                 tokio::time::sleep(poll).await;
             }
-            if last_compaction.elapsed() >= store.options().compaction_interval {
+            if last_compaction.elapsed() >= store.options().compaction_interval
+                && store.health().is_up()
+            {
                 last_compaction = tokio::time::Instant::now();
                 if let Err(e) = store.compact().await {
                     tracing::warn!(error = %e, "change-log compaction failed");

@@ -461,7 +461,7 @@ impl Store {
         }
         txn.commit()
             .await
-            .map_err(|e| RoundError::Commit(e.into()))?;
+            .map_err(|e| RoundError::Commit(commit_failure(e.into())))?;
         self.rule_cache.remember(rules);
         let mut committed = Vec::new();
         let outcomes = accepted
@@ -714,6 +714,16 @@ fn change_of(target: &OwnedTarget, decided: &Decided, applied: &Applied) -> Opti
         previous,
         applied.json.clone(),
     ))
+}
+
+/// What a failed commit means for its writers: a commit the database answered with an error was
+/// rolled back, but one whose connection was lost may have been applied.
+fn commit_failure(e: StoreError) -> StoreError {
+    if e.is_unavailable() {
+        StoreError::Ambiguous(e.to_string())
+    } else {
+        e
+    }
 }
 
 /// How a round failed: a statement (nothing committed, the writers can be retried alone) or

@@ -18,6 +18,7 @@ mod body;
 pub mod columns;
 pub mod feed;
 mod group_commit;
+pub mod health;
 pub mod lease;
 pub mod migration;
 mod mutate;
@@ -37,6 +38,7 @@ use sea_orm::{
 };
 use sea_orm_migration::MigratorTrait;
 use serde_json::Value;
+use tracing::Instrument;
 
 pub use feed::{Change, ChangeFeed, EventType};
 pub use migration::m20261123_000003_nonzero_resource_version::FIRST_RESOURCE_VERSION;
@@ -67,6 +69,10 @@ pub enum StoreError {
         #[source]
         source: DbErr,
     },
+    /// The database stopped answering after a write's commit was sent: it may or may not have
+    /// been stored.
+    #[error("the outcome of the write is unknown: {0}")]
+    Ambiguous(String),
     /// The database answered with an error a retry will not fix.
     #[error("database error: {0}")]
     Database(#[source] DbErr),
@@ -98,6 +104,7 @@ impl StoreError {
                 source: DbErr::Custom(source.to_string()),
             },
             StoreError::Database(e) => StoreError::Database(DbErr::Custom(e.to_string())),
+            StoreError::Ambiguous(m) => StoreError::Ambiguous(m.clone()),
             StoreError::Inconsistent(m) => StoreError::Inconsistent(m.clone()),
             StoreError::Corrupt(what, why) => StoreError::Corrupt(what.clone(), why.clone()),
             StoreError::AlreadyExists => StoreError::AlreadyExists,
@@ -237,6 +244,9 @@ pub struct StoreOptions {
     /// Bound on the bytes of recent changes the change feed buffers for live watchers; a
     /// watcher further behind is cut off and resumes from the change log.
     pub watch_buffer_bytes: usize,
+    /// How long the health probe waits for the database to answer before data requests are
+    /// refused with 503 (see [`health`]).
+    pub probe_timeout: Duration,
 }
 
 impl StoreOptions {
@@ -252,6 +262,7 @@ impl StoreOptions {
             compaction_interval: Duration::from_secs(30),
             group_commit_max_writes: 256,
             watch_buffer_bytes: feed::DEFAULT_WATCH_BUFFER_BYTES,
+            probe_timeout: Duration::from_secs(1),
         }
     }
 }
@@ -272,15 +283,55 @@ pub struct Store {
     /// Ids of the `policy_rules` rows this process has seen committed.
     rule_cache: Arc<rules::RuleCache>,
     feed: ChangeFeed,
+    health: health::DatabaseHealth,
 }
 
 impl Store {
-    /// Connects, runs migrations and starts the change feed.
+    /// Connects, runs migrations and starts the change feed and the health probe.
     pub async fn connect(options: StoreOptions) -> Result<Self, StoreError> {
-        let db = open_database(&options).await?;
-        let backend = db.get_database_backend();
-        let store = Store {
-            backend,
+        let db = open_database(&options, false).await?;
+        let store = Store::on(db, options);
+        store.start().await?;
+        Ok(store)
+    }
+
+    /// As [`Store::connect`], but a database that cannot be reached is not an error: the store
+    /// is returned at once, refusing data requests (see [`health`]), and starts (migrations,
+    /// the change feed) in the background as soon as the database answers. Any other failure
+    /// (a bad URL, a refused password, a schema newer than this release) is returned.
+    pub async fn connect_or_wait(options: StoreOptions) -> Result<Self, StoreError> {
+        // The first attempt waits no longer than the health probe would: a database that is
+        // down should not delay serving discovery by a whole connection timeout.
+        let first = StoreOptions {
+            connect_timeout: options.probe_timeout.min(options.connect_timeout),
+            ..options.clone()
+        };
+        let attempt = match open_database(&first, false).await {
+            Ok(reachable) => {
+                drop(reachable);
+                Store::connect(options.clone()).await
+            }
+            Err(e) => Err(e),
+        };
+        let e = match attempt {
+            Ok(store) => return Ok(store),
+            Err(e) if e.is_unavailable() => e,
+            Err(e) => return Err(e),
+        };
+        let store = Store::on(open_database(&options, true).await?, options);
+        store.health.failed(&e.to_string());
+        tracing::warn!(error = %e, "the database does not answer; serving discovery now, data once it answers");
+        let starting = store.clone();
+        tokio::spawn(
+            async move { starting.start_when_reachable().await }
+                .instrument(tracing::info_span!("store_start")),
+        );
+        Ok(store)
+    }
+
+    fn on(db: DatabaseConnection, options: StoreOptions) -> Store {
+        Store {
+            backend: db.get_database_backend(),
             cluster_id: options.cluster_id.clone().into(),
             feed: ChangeFeed::new(options.watch_buffer_bytes),
             db,
@@ -288,11 +339,54 @@ impl Store {
             write_lock: Arc::new(tokio::sync::Mutex::new(())),
             commit_queue: Arc::default(),
             rule_cache: Arc::default(),
-        };
-        store.migrate().await?;
-        store.ensure_state_row().await?;
-        store.feed.start(store.clone()).await?;
-        Ok(store)
+            health: health::DatabaseHealth::default(),
+        }
+    }
+
+    /// Migrations, the counter row, the change feed and the health probe; then data requests
+    /// are served.
+    async fn start(&self) -> Result<(), StoreError> {
+        self.migrate().await?;
+        self.ensure_state_row().await?;
+        self.feed.start(self.clone()).await?;
+        let mut probe_options = (*self.options).clone();
+        probe_options.max_connections = 1;
+        probe_options.connect_timeout = self.options.probe_timeout;
+        let probe = open_database(&probe_options, true).await?;
+        tokio::spawn(
+            self.health
+                .clone()
+                .probe(probe, self.options.probe_timeout, Default::default())
+                .instrument(tracing::info_span!("database_probe")),
+        );
+        self.health.answered();
+        self.health.set_ready();
+        Ok(())
+    }
+
+    /// Retries [`Store::start`] until it succeeds, backing off to 5 s between attempts while
+    /// the database cannot be reached (30 s while it answers but the store cannot start).
+    async fn start_when_reachable(self) {
+        let mut wait = Duration::from_millis(500);
+        loop {
+            tokio::time::sleep(wait).await;
+            match self.start().await {
+                Ok(()) => return,
+                Err(e) if e.is_unavailable() => {
+                    self.health.failed(&e.to_string());
+                    wait = (wait * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "the database answers but the store cannot start on it; retrying");
+                    wait = (wait * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+    }
+
+    /// What the store knows of its database: whether data requests can be served.
+    pub fn health(&self) -> &health::DatabaseHealth {
+        &self.health
     }
 
     /// Applies pending migrations (see [`change_schema`] for how concurrent replicas take
@@ -358,6 +452,7 @@ impl Store {
 
     /// Adds the store's metrics (group commit rounds) to a `/metrics` registry.
     pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.health.register(registry);
         self.commit_queue.register(registry);
         self.feed.register(registry);
     }
@@ -440,13 +535,18 @@ impl Store {
 }
 
 /// A connection pool to the database `options` name, with the session settings the store
-/// relies on (SQLite: WAL, full sync, a busy timeout); no migration.
-async fn open_database(options: &StoreOptions) -> Result<DatabaseConnection, StoreError> {
+/// relies on (SQLite: WAL, full sync, a busy timeout); no migration. A `lazy` pool connects on
+/// first use (the database need not answer now).
+async fn open_database(
+    options: &StoreOptions,
+    lazy: bool,
+) -> Result<DatabaseConnection, StoreError> {
     check_database_url(&options.database_url)?;
     let mut connect = ConnectOptions::new(options.database_url.clone());
     connect
         .max_connections(options.max_connections)
-        .min_connections(1)
+        .min_connections(if lazy { 0 } else { 1 })
+        .connect_lazy(lazy)
         .connect_timeout(options.connect_timeout)
         .acquire_timeout(options.connect_timeout)
         .sqlx_logging(false);
@@ -479,7 +579,11 @@ pub async fn downgrade_schema(options: &StoreOptions, to: &str) -> Result<Vec<St
             known.join(", ")
         )));
     }
-    change_schema(&open_database(options).await?, SchemaChange::DownTo(to)).await
+    change_schema(
+        &open_database(options, false).await?,
+        SchemaChange::DownTo(to),
+    )
+    .await
 }
 
 /// This release's migrations, oldest first.

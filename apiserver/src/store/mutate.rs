@@ -123,7 +123,7 @@ impl Store {
             let ticket = self.enqueue(owned.clone(), Presumed { versions, decided });
             let now = match ticket.offer.await.map_err(|_| leader_gone())?? {
                 Admission::Accepted => {
-                    return Ok(ticket.done.await.map_err(|_| leader_gone())??);
+                    return Ok(ticket.done.await.map_err(|_| round_lost())??);
                 }
                 Admission::Changed(now) => now,
             };
@@ -132,7 +132,7 @@ impl Store {
                 // An error here drops the ticket: the round goes on without this writer.
                 let decided = self.decide_on(targets, now, &mut decide)?;
                 ticket.decision.send(decided).map_err(|_| leader_gone())?;
-                return Ok(ticket.done.await.map_err(|_| leader_gone())??);
+                return Ok(ticket.done.await.map_err(|_| round_lost())??);
             }
             // Dropping the ticket steps out of the round; the next attempt decides on `now`.
             seen = now;
@@ -212,7 +212,12 @@ impl Store {
 }
 
 fn leader_gone() -> StoreError {
-    StoreError::unavailable("the write's group commit ended before it finished; retry the request")
+    StoreError::unavailable("the write's group commit ended before it started; retry the request")
+}
+
+/// The round that took this writer's decision ended without a word: it may have committed.
+fn round_lost() -> StoreError {
+    StoreError::Ambiguous("the write's group commit round ended before it reported".into())
 }
 
 pub(super) fn current_rv(object: &Value) -> Option<i64> {
