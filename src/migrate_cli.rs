@@ -45,6 +45,22 @@ enum MigrateCommand {
     /// back to kube-apiserver, write every report back, verify, lift the fence. The way back
     /// when the operator is gone. Run it again after an interruption: it resumes.
     ToCrds(Box<ToCrdsArgs>),
+    /// After restoring the database from a backup: raise the resourceVersion counter far above
+    /// anything served before the restore and drop the watch history below it, so that clients
+    /// holding later versions relist (410 Gone) instead of resuming at a version that now names
+    /// other content. Stop every replica first; run once, before starting the server.
+    AfterRestore(AfterRestoreArgs),
+}
+
+#[derive(Args)]
+struct AfterRestoreArgs {
+    /// The new floor, when the highest resourceVersion served before the restore is known
+    /// (any value above it). [default: the restored counter + 2^32, above anything fewer than
+    /// four billion writes after the backup could have reached]
+    #[arg(long)]
+    floor: Option<i64>,
+    #[command(flatten)]
+    database: DatabaseArgs,
 }
 
 #[derive(Args)]
@@ -294,7 +310,27 @@ pub async fn run(args: MigrateArgs) -> anyhow::Result<()> {
         Some(MigrateCommand::SchemaDowngrade(a)) => schema_downgrade(a).await,
         Some(MigrateCommand::ToDatabase(a)) => to_database(*a).await,
         Some(MigrateCommand::ToCrds(a)) => to_crds(*a).await,
+        Some(MigrateCommand::AfterRestore(a)) => after_restore(a).await,
     }
+}
+
+async fn after_restore(args: AfterRestoreArgs) -> anyhow::Result<()> {
+    let store = Store::connect(args.database.store_options()?)
+        .await
+        .context("cannot open the restored database")?;
+    let (restored, _) = store.versions().await?;
+    let floor = args
+        .floor
+        .unwrap_or_else(|| migration::plan::version_floor(restored));
+    anyhow::ensure!(
+        floor > restored,
+        "--floor {floor} is not above the restored database's resourceVersion {restored}: clients may already hold versions up to it"
+    );
+    let (current, compacted) = store.raise_version_floor(floor).await?;
+    eprintln!(
+        "resourceVersion raised from {restored} to {current}; watch history up to {compacted} dropped: clients that saw versions from before the restore get 410 Gone and relist"
+    );
+    Ok(())
 }
 
 async fn schema(db: DatabaseArgs) -> anyhow::Result<()> {

@@ -37,7 +37,7 @@ struct Inner {
     up: watch::Sender<bool>,
     /// Set once migrations ran and the change feed started: the store can serve.
     ready: AtomicBool,
-    /// Since when the circuit is open and why.
+    /// Since when the circuit is open and why (`None` before the first failure and while up).
     down: Mutex<Option<(Instant, String)>>,
     gauge: Gauge,
     outages: Counter,
@@ -49,10 +49,7 @@ impl Default for DatabaseHealth {
             inner: Arc::new(Inner {
                 up: watch::Sender::new(false),
                 ready: AtomicBool::new(false),
-                down: Mutex::new(Some((
-                    Instant::now(),
-                    "the server has not reached it since it started".into(),
-                ))),
+                down: Mutex::new(None),
                 gauge: Gauge::default(),
                 outages: Counter::default(),
             }),
@@ -128,23 +125,29 @@ impl DatabaseHealth {
             let down = self.inner.down.lock().expect("health lock").take();
             self.inner.gauge.set(1);
             match down {
-                Some((since, _)) => tracing::info!(
+                Some((since, _)) if self.inner.outages.get() > 0 => tracing::info!(
                     after_seconds = since.elapsed().as_secs_f64(),
                     "the database answers again; serving data requests"
                 ),
-                None => tracing::info!("the database answers"),
+                _ => tracing::debug!("the database answers"),
             }
         }
     }
 
     /// Records that the database did not answer; opens the circuit if it was closed.
     pub(super) fn failed(&self, cause: &str) {
-        if self
+        let went_down = self
             .inner
             .up
-            .send_if_modified(|up| std::mem::replace(up, false))
+            .send_if_modified(|up| std::mem::replace(up, false));
         {
-            *self.inner.down.lock().expect("health lock") = Some((Instant::now(), cause.into()));
+            let mut down = self.inner.down.lock().expect("health lock");
+            match &mut *down {
+                Some((_, last)) if !went_down => cause.clone_into(last),
+                _ => *down = Some((Instant::now(), cause.into())),
+            }
+        }
+        if went_down {
             self.inner.gauge.set(0);
             self.inner.outages.inc();
             tracing::warn!(
@@ -152,8 +155,6 @@ impl DatabaseHealth {
                 "the database stopped answering; data requests answer 503 until it answers again \
                  (discovery, /readyz and open watches are not affected)"
             );
-        } else if let Some((_, last)) = &mut *self.inner.down.lock().expect("health lock") {
-            cause.clone_into(last);
         }
     }
 
