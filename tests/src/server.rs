@@ -81,6 +81,9 @@ pub struct ServerProcess {
     pub port: u16,
     pub kubeconfig: PathBuf,
     pub extra_args: Vec<String>,
+    /// A command the server is started through (its arguments follow), e.g. `unshare … sh -c`
+    /// to give it a mount of its own; empty: started directly.
+    pub launcher: Vec<String>,
     child: Option<Child>,
     log: PathBuf,
 }
@@ -97,6 +100,17 @@ impl ServerProcess {
         database_url: Option<String>,
         extra: &[&str],
     ) -> anyhow::Result<Self> {
+        Self::start_launched(data_dir, database_url, extra, &[]).await
+    }
+
+    /// As [`Self::start_with`], through `launcher` (see [`Self::launcher`]); the process id is
+    /// the server's when the launcher execs it.
+    pub async fn start_launched(
+        data_dir: &Path,
+        database_url: Option<String>,
+        extra: &[&str],
+        launcher: &[&str],
+    ) -> anyhow::Result<Self> {
         let database_url = database_url.unwrap_or_else(|| {
             format!(
                 "sqlite://{}?mode=rwc",
@@ -109,6 +123,7 @@ impl ServerProcess {
             port: free_port(),
             kubeconfig: data_dir.join("kubeconfig"),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            launcher: launcher.iter().map(|s| s.to_string()).collect(),
             child: None,
             log: data_dir.join(format!("server-{}.log", free_port())),
         };
@@ -119,7 +134,15 @@ impl ServerProcess {
     async fn spawn(&mut self) -> anyhow::Result<()> {
         std::fs::create_dir_all(&self.data_dir)?;
         let log = std::fs::File::create(&self.log)?;
-        let child = Command::new(binary()?)
+        let mut command = match self.launcher.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(binary()?);
+                c
+            }
+            None => Command::new(binary()?),
+        };
+        let child = command
             .arg("serve")
             .args(["--data-dir", self.data_dir.to_str().unwrap()])
             .args(["--database-url", &self.database_url])

@@ -31,7 +31,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{Condition, Expr, ExprTrait, Query, SelectStatement};
-use sea_orm::{ConnectionTrait, DatabaseTransaction, TransactionTrait};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, TransactionTrait};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -298,17 +298,15 @@ impl Store {
     async fn round(&self, batch: Vec<Request>) {
         let writers = batch.len();
         let began = std::time::Instant::now();
-        let _lock = self.write_lock.lock().await;
-        let opened = match self.connection().begin().await {
-            Ok(txn) => {
-                let groups: Vec<&[OwnedTarget]> = batch.iter().map(|r| &r.targets[..]).collect();
-                self.read_currents(&txn, &groups).await.map(|c| (txn, c))
-            }
-            Err(e) => Err(e.into()),
+        let mut writer = self.write_lock.lock().await;
+        let opened = match writer.connection(self.options()).await {
+            Ok(db) => self.open_round(&db, &batch).await,
+            Err(e) => Err(e),
         };
         let (txn, currents) = match opened {
             Ok(opened) => opened,
             Err(e) => {
+                writer.discard();
                 for request in batch {
                     request.offer.send(Err(e.duplicate())).ok();
                 }
@@ -320,6 +318,7 @@ impl Store {
             Ok(accepted) => accepted,
             Err(e) => {
                 txn.rollback().await.ok();
+                writer.discard();
                 tracing::warn!(error = %e, writers, "a group commit round failed to start");
                 return;
             }
@@ -342,6 +341,7 @@ impl Store {
             }
             // Whether a failed commit took effect is unknown: retrying could write twice.
             Err(RoundError::Commit(e)) => {
+                writer.discard();
                 // If it did, the feed must still deliver the round's changes.
                 self.feed().wake();
                 for writer in accepted {
@@ -349,16 +349,24 @@ impl Store {
                 }
             }
             Err(RoundError::Statement(e)) if accepted.len() == 1 => {
+                writer.discard();
                 let writer = accepted.pop().expect("one writer");
                 writer.done.send(Err(e)).ok();
             }
             Err(RoundError::Statement(e)) => {
                 metrics.retried.inc();
+                writer.discard();
                 tracing::warn!(error = %e, writers = accepted.len(),
                     "a group commit failed; retrying its writers one at a time");
-                for mut writer in accepted {
-                    let result = self.retry_alone(&mut writer).await;
-                    writer.done.send(result).ok();
+                for mut accepted in accepted {
+                    let result = match writer.connection(self.options()).await {
+                        Ok(db) => self.retry_alone(&db, &mut accepted).await,
+                        Err(e) => Err(e),
+                    };
+                    if result.is_err() {
+                        writer.discard();
+                    }
+                    accepted.done.send(result).ok();
                 }
             }
         }
@@ -429,6 +437,23 @@ impl Store {
             }
         }
         Ok(accepted)
+    }
+
+    /// Opens the round's transaction on the writer connection and reads the targets' versions.
+    async fn open_round(
+        &self,
+        db: &DatabaseConnection,
+        batch: &[Request],
+    ) -> Result<(DatabaseTransaction, (i64, Vec<Vec<Option<Current>>>)), StoreError> {
+        let txn = db.begin().await?;
+        let groups: Vec<&[OwnedTarget]> = batch.iter().map(|r| &r.targets[..]).collect();
+        match self.read_currents(&txn, &groups).await {
+            Ok(currents) => Ok((txn, currents)),
+            Err(e) => {
+                txn.rollback().await.ok();
+                Err(e)
+            }
+        }
     }
 
     /// Applies every accepted writer's mutations in order, advances the counter and commits;
@@ -539,8 +564,12 @@ impl Store {
 
     /// After a failed round: the writer's decided mutations in a transaction of their own, if
     /// its targets are still as it saw them (another replica may have written in between).
-    async fn retry_alone(&self, writer: &mut Accepted) -> Result<Vec<WriteOutcome>, StoreError> {
-        let txn = self.connection().begin().await?;
+    async fn retry_alone(
+        &self,
+        db: &DatabaseConnection,
+        writer: &mut Accepted,
+    ) -> Result<Vec<WriteOutcome>, StoreError> {
+        let txn = db.begin().await?;
         let (base_rv, currents) = match self.read_currents(&txn, &[&writer.targets[..]]).await {
             Ok((base_rv, mut currents)) => (base_rv, currents.pop().unwrap_or_default()),
             Err(e) => {

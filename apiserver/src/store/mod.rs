@@ -277,7 +277,7 @@ pub struct Store {
     /// Serializes this process's write transactions (group commit rounds, compaction, raising
     /// the version floor); the counter row lock serializes them across processes. Holding it
     /// here keeps SQLite from spinning on busy timeouts.
-    write_lock: Arc<tokio::sync::Mutex<()>>,
+    write_lock: Arc<tokio::sync::Mutex<Writer>>,
     /// Writers waiting for the next group commit round (see `group_commit`).
     commit_queue: Arc<group_commit::CommitQueue>,
     /// Ids of the `policy_rules` rows this process has seen committed.
@@ -336,7 +336,7 @@ impl Store {
             feed: ChangeFeed::new(options.watch_buffer_bytes),
             db,
             options: Arc::new(options),
-            write_lock: Arc::new(tokio::sync::Mutex::new(())),
+            write_lock: Arc::default(),
             commit_queue: Arc::default(),
             rule_cache: Arc::default(),
             health: health::DatabaseHealth::default(),
@@ -530,7 +530,46 @@ impl Store {
     /// Raises the resourceVersion counter and the watch horizon to at least `floor` (see
     /// [`write::raise_version_floor`]); returns the new `(current, compacted)` pair.
     pub async fn raise_version_floor(&self, floor: i64) -> Result<(i64, i64), StoreError> {
-        write::raise_version_floor(self, floor).await
+        // Boxed: callers' futures (the migration worker's) would otherwise nest past the
+        // compiler's layout depth.
+        Box::pin(write::raise_version_floor(self, floor)).await
+    }
+}
+
+/// The connection this process's write transactions run on, one at a time (behind
+/// `Store::write_lock`). A connection whose transaction failed is closed, never reused: after
+/// an error such as SQLite's "database or disk is full" the database may have ended the
+/// transaction on its own while the driver still counts it open, and the next "transaction" on
+/// that connection became a savepoint inside a transaction that never committed — writes
+/// acknowledged but invisible to other connections, and lost at restart.
+#[derive(Default)]
+pub(crate) struct Writer {
+    db: Option<DatabaseConnection>,
+}
+
+impl Writer {
+    /// The writer connection, opened on first use.
+    pub(crate) async fn connection(
+        &mut self,
+        options: &StoreOptions,
+    ) -> Result<DatabaseConnection, StoreError> {
+        if let Some(db) = &self.db {
+            return Ok(db.clone());
+        }
+        let single = StoreOptions {
+            max_connections: 1,
+            ..options.clone()
+        };
+        let db = open_database(&single, true).await?;
+        self.db = Some(db.clone());
+        Ok(db)
+    }
+
+    /// Closes the connection after a failed transaction; the next write opens a new one.
+    pub(crate) fn discard(&mut self) {
+        if let Some(db) = self.db.take() {
+            tokio::spawn(async move { db.close().await.ok() });
+        }
     }
 }
 

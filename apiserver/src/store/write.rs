@@ -1099,27 +1099,73 @@ pub(super) async fn compact(store: &Store) -> Result<i64, StoreError> {
     if horizon <= compacted {
         return Ok(compacted);
     }
-    let _guard = store.write_lock.lock().await;
-    let txn = store.connection().begin().await?;
-    txn.execute(
-        &Query::delete()
+    let statements = [
+        Query::delete()
             .from_table(Changes::Table)
             .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
             .and_where(Expr::col(Changes::Rv).lte(horizon))
-            .to_owned(),
-    )
-    .await?;
-    txn.execute(
-        &Query::update()
+            .to_owned()
+            .into(),
+        Query::update()
             .table(StoreState::Table)
             .value(StoreState::CompactedRv, horizon)
             .and_where(Expr::col(StoreState::ClusterId).eq(store.cluster_id()))
             .and_where(Expr::col(StoreState::CompactedRv).lt(horizon))
-            .to_owned(),
-    )
-    .await?;
-    txn.commit().await?;
+            .to_owned()
+            .into(),
+    ];
+    store.write_alone(|_| statements.to_vec()).await?;
     Ok(horizon)
+}
+
+/// A statement of a transaction [`Store::write_alone`] runs.
+#[derive(Clone)]
+pub(super) enum Statement {
+    Delete(DeleteStatement),
+    Update(UpdateStatement),
+}
+
+impl From<DeleteStatement> for Statement {
+    fn from(s: DeleteStatement) -> Self {
+        Statement::Delete(s)
+    }
+}
+
+impl From<UpdateStatement> for Statement {
+    fn from(s: UpdateStatement) -> Self {
+        Statement::Update(s)
+    }
+}
+
+impl Store {
+    /// Runs the statements `plan` makes of the counter's `(current, compacted)` pair in one
+    /// transaction on the writer connection (closed if the transaction fails, see
+    /// [`super::Writer`]); returns the pair as read.
+    pub(super) async fn write_alone(
+        &self,
+        plan: impl FnOnce((i64, i64)) -> Vec<Statement>,
+    ) -> Result<(i64, i64), StoreError> {
+        let mut writer = self.write_lock.lock().await;
+        let db = writer.connection(self.options()).await?;
+        let result = async {
+            let txn = db.begin().await?;
+            // The counter's row lock orders this against writers in other processes too.
+            let versions = lock_counter(&txn, self.backend(), self.cluster_id()).await?;
+            for statement in plan(versions) {
+                match statement {
+                    Statement::Delete(s) => txn.execute(&s).await?,
+                    Statement::Update(s) => txn.execute(&s).await?,
+                };
+            }
+            txn.commit().await?;
+            Ok(versions)
+        }
+        .await;
+        if result.is_err() {
+            writer.discard();
+        }
+        result
+    }
 }
 
 /// Moves the resourceVersion counter and the watch horizon up to at least `floor`, in one
@@ -1133,31 +1179,31 @@ pub(super) async fn raise_version_floor(
     store: &Store,
     floor: i64,
 ) -> Result<(i64, i64), StoreError> {
-    let _guard = store.write_lock.lock().await;
-    let txn = store.connection().begin().await?;
-    // The counter's row lock orders this against writers in other processes too.
-    let (current, compacted) = lock_counter(&txn, store.backend(), store.cluster_id()).await?;
-    let (current, compacted) = (
-        std::cmp::max(current, floor),
-        std::cmp::max(compacted, floor),
-    );
-    txn.execute(
-        &Query::delete()
-            .from_table(Changes::Table)
-            .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
-            .and_where(Expr::col(Changes::Rv).lte(compacted))
-            .to_owned(),
-    )
-    .await?;
-    txn.execute(
-        &Query::update()
-            .table(StoreState::Table)
-            .value(StoreState::Rv, current)
-            .value(StoreState::CompactedRv, compacted)
-            .and_where(Expr::col(StoreState::ClusterId).eq(store.cluster_id()))
-            .to_owned(),
-    )
-    .await?;
-    txn.commit().await?;
-    Ok((current, compacted))
+    let raised = |(current, compacted): (i64, i64)| {
+        (
+            std::cmp::max(current, floor),
+            std::cmp::max(compacted, floor),
+        )
+    };
+    let versions = store
+        .write_alone(|versions| {
+            let (current, compacted) = raised(versions);
+            vec![
+                Query::delete()
+                    .from_table(Changes::Table)
+                    .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
+                    .and_where(Expr::col(Changes::Rv).lte(compacted))
+                    .to_owned()
+                    .into(),
+                Query::update()
+                    .table(StoreState::Table)
+                    .value(StoreState::Rv, current)
+                    .value(StoreState::CompactedRv, compacted)
+                    .and_where(Expr::col(StoreState::ClusterId).eq(store.cluster_id()))
+                    .to_owned()
+                    .into(),
+            ]
+        })
+        .await?;
+    Ok(raised(versions))
 }
