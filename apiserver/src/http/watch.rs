@@ -606,10 +606,20 @@ pub async fn watch(
             &bookmark_object(resource, n, resource_version, initial_events_end),
         ),
     };
+    // The first step runs before the response starts, as kube-apiserver establishes a watch
+    // before its headers: a watch from the current state has taken its snapshot (a resuming one
+    // has read its replay) by the time the client sees the response, so what the client writes
+    // afterwards arrives as events after that state, never folded into it.
+    let first = machine.step().await;
     let stream = async_stream::stream! {
         let _watcher = metrics.watcher_started();
+        let mut first = Some(first);
         loop {
-            match machine.step().await {
+            let step = match first.take() {
+                Some(step) => step,
+                None => machine.step().await,
+            };
+            match step {
                 Ok(Step::Events(events)) => {
                     for event in events {
                         yield Ok::<Bytes, Infallible>(render(event));
