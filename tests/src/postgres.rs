@@ -286,10 +286,58 @@ impl OwnedPostgres {
     pub fn start_again(&self) -> anyhow::Result<()> {
         self.instance.start()
     }
+
+    /// Freezes every process of the cluster (SIGSTOP): open connections and new ones get no
+    /// answer and no reset, as from a database behind a network that drops its packets. The
+    /// kernel still completes TCP handshakes, so it is the hang after connecting that clients
+    /// see, which only a client-side deadline ends.
+    pub fn freeze(&self) -> anyhow::Result<()> {
+        self.signal_all(libc::SIGSTOP)
+    }
+
+    /// Undoes [`Self::freeze`].
+    pub fn thaw(&self) -> anyhow::Result<()> {
+        self.signal_all(libc::SIGCONT)
+    }
+
+    /// Sends `signal` to the postmaster and every process it started.
+    fn signal_all(&self, signal: i32) -> anyhow::Result<()> {
+        let pid_file = self.instance.dir.join("postmaster.pid");
+        let postmaster: i32 = std::fs::read_to_string(&pid_file)
+            .with_context(|| format!("read {}", pid_file.display()))?
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse().ok())
+            .context("postmaster.pid without a pid")?;
+        let mut pids = vec![postmaster];
+        for entry in std::fs::read_dir("/proc")?.flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            // `pid (comm) state ppid …`: the command may hold spaces, the part after ')' not.
+            let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<i32>().ok());
+            if ppid == Some(postmaster) {
+                pids.push(pid);
+            }
+        }
+        for pid in pids {
+            // SAFETY: kill(2) with a pid read from this cluster's own files.
+            if unsafe { libc::kill(pid, signal) } != 0 {
+                bail!("kill({pid}, {signal}): {}", std::io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Drop for OwnedPostgres {
     fn drop(&mut self) {
+        // A frozen cluster would not stop: thaw it first (a no-op when it runs or is stopped).
+        let _ = self.thaw();
         self.instance.discard();
     }
 }

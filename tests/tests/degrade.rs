@@ -860,8 +860,46 @@ fn check_same_process(server: &ServerProcess, pid: u32, findings: &Findings) {
     );
 }
 
+/// How the database is taken away.
+#[derive(Clone, Copy, Debug)]
+enum Outage {
+    /// Stopped: connections are cut and new ones refused at once.
+    Stopped,
+    /// Frozen (SIGSTOP): nothing answers and nothing is refused, as from a database behind a
+    /// network that drops packets; only the server's own deadlines end its waits.
+    BlackHoled,
+}
+
+impl Outage {
+    fn begin(self, pg: &OwnedPostgres) {
+        match self {
+            Outage::Stopped => pg.stop(),
+            Outage::BlackHoled => pg.freeze(),
+        }
+        .unwrap_or_else(|e| panic!("begin the outage ({self:?}): {e:#}"))
+    }
+
+    fn end(self, pg: &OwnedPostgres) {
+        match self {
+            Outage::Stopped => pg.start_again(),
+            Outage::BlackHoled => pg.thaw(),
+        }
+        .unwrap_or_else(|e| panic!("end the outage ({self:?}): {e:#}"))
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_outage_is_fast_503s_and_loses_nothing_acknowledged() {
+    outage_loses_nothing(Outage::Stopped).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_holed_database_is_fast_503s_and_loses_nothing_acknowledged() {
+    outage_loses_nothing(Outage::BlackHoled).await
+}
+
+async fn outage_loses_nothing(outage: Outage) {
+    println!("[degrade] outage: {outage:?}");
     let pg =
         OwnedPostgres::start().unwrap_or_else(|e| panic!("no PostgreSQL for the outage: {e:#}"));
     let dir = tempfile::tempdir().unwrap();
@@ -898,7 +936,7 @@ async fn a_database_outage_is_fast_503s_and_loses_nothing_acknowledged() {
     );
 
     let stop_began = Instant::now();
-    pg.stop().expect("stop PostgreSQL");
+    outage.begin(&pg);
     let stopped_at = Instant::now();
     let until = stopped_at + OUTAGE;
     let (data, (memory, metrics)) = tokio::join!(
@@ -906,7 +944,7 @@ async fn a_database_outage_is_fast_503s_and_loses_nothing_acknowledged() {
         probe_memory(&client, until)
     );
     let restart_began = Instant::now();
-    pg.start_again().expect("start PostgreSQL again");
+    outage.end(&pg);
     let t = Timeline {
         stop_began,
         stopped_at,
