@@ -420,16 +420,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         reports_server_apiserver::registry::Registry::new(server.store.clone(), None),
     )?;
     let settled = migration.as_ref().map(|w| w.settled());
-    let migration = migration.map(|w| {
-        let (health, stop) = (server.store.health().clone(), server.shutdown_token());
-        // A server started while its database was down migrates once the store started.
-        tokio::spawn(async move {
-            tokio::select! {
-                () = health.came_up() => w.run(stop).await,
-                () = stop.cancelled() => {}
-            }
-        })
-    });
+    let migration = migration.map(|w| spawn_migration(w, &server));
     let aggregation = args.aggregation.spawn(&server, cluster.as_ref(), settled);
     let token = server.shutdown_token();
     let draining = server.draining_token();
@@ -460,6 +451,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let _ = migration.await;
     }
     Ok(())
+}
+
+/// Runs the migration worker once the store started: a server started while its database was
+/// down migrates once the database answers.
+fn spawn_migration(
+    worker: reports_server_operator::migration::worker::Worker,
+    server: &startup::RunningServer,
+) -> tokio::task::JoinHandle<()> {
+    let (health, stop) = (server.store.health().clone(), server.shutdown_token());
+    tokio::spawn(async move {
+        tokio::select! {
+            () = health.came_up() => worker.run(stop).await,
+            () = stop.cancelled() => {}
+        }
+    })
 }
 
 /// A client for the cluster: `--kubeconfig`, else in-cluster, else `$KUBECONFIG`/`~/.kube/config`.

@@ -638,7 +638,12 @@ pub async fn watch(
             }
         }
     };
-    let mut response = (StatusCode::OK, Body::from_stream(stream)).into_response();
+    Ok(streamed_response(Body::from_stream(stream), n))
+}
+
+/// The response of a watch: its events as newline-delimited JSON, never cached.
+fn streamed_response(body: Body, n: Negotiated) -> Response {
+    let mut response = (StatusCode::OK, body).into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_str(
@@ -654,7 +659,7 @@ pub async fn watch(
         header::CACHE_CONTROL,
         HeaderValue::from_static("no-cache, private"),
     );
-    Ok(response)
+    response
 }
 
 /// Checks the streaming-list parameters as kube-apiserver does.
