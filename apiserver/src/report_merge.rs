@@ -112,7 +112,7 @@ pub enum AggregationError {
 impl From<AggregationError> for BackendError {
     fn from(e: AggregationError) -> Self {
         match e {
-            AggregationError::Store(e) if e.is_unavailable() => {
+            AggregationError::Store(e) if e.is_transient() => {
                 BackendError::Unavailable(e.to_string())
             }
             AggregationError::Store(StoreError::AlreadyExists) => {

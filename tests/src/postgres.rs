@@ -287,6 +287,22 @@ impl OwnedPostgres {
         self.instance.start()
     }
 
+    /// Runs `statement` with psql as the superuser; returns its unaligned output (one line per
+    /// row, `|` between columns).
+    pub fn sql(&self, statement: &str) -> anyhow::Result<String> {
+        let psql = which("psql").context("psql not found: apt-get install -y postgresql-client")?;
+        let out = Command::new(psql)
+            .args([&self.url(), "-v", "ON_ERROR_STOP=1", "-Atc", statement])
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "psql -c {statement:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// Freezes every process of the cluster (SIGSTOP): open connections and new ones get no
     /// answer and no reset, as from a database behind a network that drops its packets. The
     /// kernel still completes TCP handshakes, so it is the hang after connecting that clients

@@ -1091,3 +1091,141 @@ async fn a_server_started_while_its_database_is_down_serves_once_it_is_back() {
         started.elapsed()
     );
 }
+
+/// The server's connections to `pg`: backend pids of client connections other than psql's own.
+fn backends(pg: &OwnedPostgres) -> std::collections::BTreeSet<String> {
+    pg.sql(
+        "SELECT pid FROM pg_stat_activity WHERE backend_type = 'client backend' \
+         AND pid <> pg_backend_pid()",
+    )
+    .expect("list the server's connections")
+    .lines()
+    .map(str::to_owned)
+    .collect()
+}
+
+fn read_only(pg: &OwnedPostgres, on: bool) {
+    let set = if on {
+        "ALTER SYSTEM SET default_transaction_read_only = on"
+    } else {
+        "ALTER SYSTEM RESET default_transaction_read_only"
+    };
+    pg.sql(set).expect(set);
+    pg.sql("SELECT pg_reload_conf()").expect("reload");
+}
+
+/// A primary that turns read-only — what the server sees on connections to a demoted primary,
+/// or from a managed database that set `default_transaction_read_only` when its disk filled —
+/// is an outage: data calls answer 503 naming it instead of failing one by one, the circuit
+/// closes once the database takes writes again, and no connection opened before is used again
+/// (after a failover it would lead to the old primary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_database_is_an_outage_and_its_connections_are_replaced() {
+    let pg = OwnedPostgres::start().unwrap_or_else(|e| panic!("no PostgreSQL: {e:#}"));
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), Some(pg.url()))
+        .await
+        .expect("start the server");
+    let client = server.client_without_retries().await.unwrap();
+    let first = create(&client, "before", 0).await;
+    assert_eq!(first.code(), Some(201), "create before: {}", first.got);
+    let (lists, _) = tokio::join!(
+        futures::future::join_all((0..4).map(|_| send(&client, "GET", COLLECTION, None))),
+        tokio::time::sleep(Duration::from_millis(600)),
+    );
+    assert!(lists.iter().all(|l| l.code() == Some(200)));
+    let before = backends(&pg);
+    assert!(!before.is_empty(), "the server holds no connection");
+
+    read_only(&pg, true);
+    let turned = Instant::now();
+    let mut refused = Vec::new();
+    for n in 1.. {
+        let name = format!("while-read-only-{n}");
+        let call = create(&client, &name, n).await;
+        match call.code() {
+            Some(503) => {
+                refused.push(name);
+                break;
+            }
+            Some(201) if turned.elapsed() < DETECTION => {}
+            _ => panic!(
+                "expected creates to answer 503 within {DETECTION:?} of the database turning \
+                 read-only; after {:?}: {}\n{}",
+                turned.elapsed(),
+                call.got,
+                server.log_tail()
+            ),
+        }
+    }
+    eprintln!(
+        "[degrade] read-only noticed {:?} after it was set",
+        turned.elapsed()
+    );
+    for call in [
+        send(&client, "GET", COLLECTION, None).await,
+        create(&client, "refused", 99).await,
+    ] {
+        assert!(
+            call.code() == Some(503)
+                && call.took < FAST
+                && call.got.to_string().contains("read-only"),
+            "expected {} to answer 503 naming the read-only database within {FAST:?}; got {} after {:?}",
+            call.what,
+            call.got,
+            call.took
+        );
+    }
+    refused.push("refused".into());
+    let metrics = send(&client, "GET", "/metrics", None).await;
+    assert_eq!(database_up(&metrics), Some(0.0), "{METRIC} while read-only");
+
+    read_only(&pg, false);
+    let writable = Instant::now();
+    loop {
+        let call = create(&client, "after", 100).await;
+        match call.code() {
+            Some(201) => break,
+            Some(503) if writable.elapsed() < RECOVERY => tokio::time::sleep(PROBE_PERIOD).await,
+            _ => panic!(
+                "expected a create to succeed within {RECOVERY:?} of the database taking writes \
+                 again; got {}\n{}",
+                call.got,
+                server.log_tail()
+            ),
+        }
+    }
+    eprintln!(
+        "[degrade] writable again: served {:?} later",
+        writable.elapsed()
+    );
+    for name in &refused {
+        let got = send(&client, "GET", &format!("{COLLECTION}/{name}"), None).await;
+        assert_eq!(
+            got.code(),
+            Some(404),
+            "refused {name} was stored: {}",
+            got.got
+        );
+    }
+    let replaced_by = Instant::now() + RECOVERY;
+    loop {
+        let calls =
+            futures::future::join_all((0..4).map(|_| send(&client, "GET", COLLECTION, None))).await;
+        assert!(
+            calls.iter().all(|c| c.code() == Some(200)),
+            "lists after recovery"
+        );
+        let kept: Vec<String> = backends(&pg).intersection(&before).cloned().collect();
+        if kept.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < replaced_by,
+            "connections opened before the database turned read-only are still open {RECOVERY:?} \
+             after it took writes again: backend pids {kept:?}\n{}",
+            server.log_tail()
+        );
+        tokio::time::sleep(PROBE_PERIOD).await;
+    }
+}

@@ -195,9 +195,14 @@ async fn readyz(State(state): State<AppState>, Query(query): Query<ReadyzQuery>)
     let database = match state.store.health().outage() {
         None => "[+]database ok (informational)".to_owned(),
         // The cause stays in the log: /readyz answers anyone.
-        Some((down_for, _)) => format!(
-            "[-]database: no answer for {}s, see the server's log (informational: data requests answer 503)",
-            down_for.as_secs()
+        Some(outage) => format!(
+            "[-]database: {} for {}s, see the server's log (informational: data requests answer 503)",
+            if outage.read_only {
+                "read-only"
+            } else {
+                "no answer"
+            },
+            outage.down_for.as_secs()
         ),
     };
     format!("[+]ping ok\n[+]shutdown ok\n{database}\nreadyz check passed\n").into_response()
@@ -592,8 +597,8 @@ async fn resource(
     // While the database does not answer, refuse at once rather than after a connection
     // timeout; a request caught in flight when it stops is ended (see `store::health`).
     let health = state.store.health().clone();
-    if let Some((down_for, _)) = health.outage() {
-        return ApiError::database_down(down_for).into_response();
+    if let Some(outage) = health.outage() {
+        return ApiError::database_down(&outage).into_response();
     }
     let work = async {
         let body = if info.verb.has_body() {

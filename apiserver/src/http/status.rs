@@ -141,15 +141,22 @@ impl ApiError {
         )
     }
 
-    /// A data request refused because the database does not answer (the circuit is open, see
-    /// `store::health`): at once, instead of after a connection timeout.
-    pub fn database_down(down_for: std::time::Duration) -> Self {
+    /// A data request refused because the database does not answer or answers read-only (the
+    /// circuit is open, see `store::health`): at once, instead of after a connection timeout.
+    pub fn database_down(outage: &crate::store::health::Outage) -> Self {
+        let seconds = outage.down_for.as_secs();
+        let message = if outage.read_only {
+            format!(
+                "the database has been read-only for {seconds}s (a standby: a failover or switchover is under way); policy reports cannot be read or written until a writable primary answers (discovery is not affected); retry later"
+            )
+        } else {
+            format!(
+                "the database has not answered for {seconds}s; policy reports cannot be read or written until it does (discovery is not affected); retry later"
+            )
+        };
         ApiError {
             logged_elsewhere: true,
-            ..Self::unavailable(format!(
-                "the database has not answered for {}s; policy reports cannot be read or written until it does (discovery is not affected); retry later",
-                down_for.as_secs()
-            ))
+            ..Self::unavailable(message)
         }
     }
 

@@ -516,6 +516,10 @@ pub async fn read_changes(
 fn spawn_pg_listener(store: Store, feed: ChangeFeed) {
     tokio::spawn(async move {
         loop {
+            // A LISTEN connection opened to a database that then went away or turned read-only
+            // (a demoted primary) would wait for notifications that never come: it is dropped
+            // when the circuit opens and opened again once the database is writable.
+            store.health().came_up().await;
             let pool = store.connection().get_postgres_connection_pool().clone();
             match sqlx::postgres::PgListener::connect_with(&pool).await {
                 Ok(mut listener) => {
@@ -525,7 +529,11 @@ fn spawn_pg_listener(store: Store, feed: ChangeFeed) {
                         // Anything committed while we were not listening is picked up here.
                         feed.wake();
                         loop {
-                            match listener.recv().await {
+                            let note = tokio::select! {
+                                note = listener.recv() => note,
+                                () = store.health().went_down() => break,
+                            };
+                            match note {
                                 Ok(note) if !feed.announces_news(note.payload()) => {}
                                 Ok(_) => feed.wake(),
                                 Err(e) => {

@@ -306,7 +306,7 @@ impl Store {
         let (txn, currents) = match opened {
             Ok(opened) => opened,
             Err(e) => {
-                writer.discard();
+                writer.discard(&e);
                 for request in batch {
                     request.offer.send(Err(e.duplicate())).ok();
                 }
@@ -318,7 +318,7 @@ impl Store {
             Ok(accepted) => accepted,
             Err(e) => {
                 txn.rollback().await.ok();
-                writer.discard();
+                writer.discard(&e);
                 tracing::warn!(error = %e, writers, "a group commit round failed to start");
                 return;
             }
@@ -341,7 +341,7 @@ impl Store {
             }
             // Whether a failed commit took effect is unknown: retrying could write twice.
             Err(RoundError::Commit(e)) => {
-                writer.discard();
+                writer.discard(&e);
                 // If it did, the feed must still deliver the round's changes.
                 self.feed().wake();
                 for writer in accepted {
@@ -349,13 +349,13 @@ impl Store {
                 }
             }
             Err(RoundError::Statement(e)) if accepted.len() == 1 => {
-                writer.discard();
+                writer.discard(&e);
                 let writer = accepted.pop().expect("one writer");
                 writer.done.send(Err(e)).ok();
             }
             Err(RoundError::Statement(e)) => {
                 metrics.retried.inc();
-                writer.discard();
+                writer.discard(&e);
                 tracing::warn!(error = %e, writers = accepted.len(),
                     "a group commit failed; retrying its writers one at a time");
                 for mut accepted in accepted {
@@ -363,8 +363,8 @@ impl Store {
                         Ok(db) => self.retry_alone(&db, &mut accepted).await,
                         Err(e) => Err(e),
                     };
-                    if result.is_err() {
-                        writer.discard();
+                    if let Err(e) = &result {
+                        writer.discard(e);
                     }
                     accepted.done.send(result).ok();
                 }

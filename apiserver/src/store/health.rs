@@ -9,15 +9,22 @@
 //! the circuit is open, data requests answer 503 at once instead of each waiting out a
 //! connection timeout, and requests caught in flight when it opens are ended (see
 //! `http::database_gate`). The state is a gauge and one log line per transition, never readiness.
+//!
+//! A database that answers read-only is no better than one that does not: after a failover the
+//! old primary comes back as a standby, and connections still open to it (or opened through a
+//! proxy that has not noticed yet) would read stale rows and refuse every write. So read-only
+//! answers, from the probe (`transaction_read_only`) or from a write, open the circuit like an
+//! outage and mark every pooled connection opened before them as stale: pools close those
+//! instead of handing them out again ([`DatabaseHealth::keeps_connection`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use sea_orm::DatabaseConnection;
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -25,6 +32,16 @@ use super::StoreError;
 
 /// How often the probe asks the database.
 pub const PROBE_INTERVAL: Duration = Duration::from_millis(500);
+
+/// An open circuit, as data requests are told of it.
+#[derive(Clone, Debug)]
+pub struct Outage {
+    pub down_for: Duration,
+    /// The last failure, for the log (it may name hosts: not for anonymous callers).
+    pub cause: String,
+    /// The database answers but refuses writes: a standby, or a failover under way.
+    pub read_only: bool,
+}
 
 /// What the store knows of its database, shared by every clone of the store.
 #[derive(Clone)]
@@ -37,10 +54,15 @@ struct Inner {
     up: watch::Sender<bool>,
     /// Set once migrations ran and the change feed started: the store can serve.
     ready: AtomicBool,
-    /// Since when the circuit is open and why (`None` before the first failure and while up).
-    down: Mutex<Option<(Instant, String)>>,
+    /// Since when the circuit is open, why, and whether the database answered read-only
+    /// (`None` before the first failure and while up).
+    down: Mutex<Option<(Instant, String, bool)>>,
     gauge: Gauge,
     outages: Counter,
+    /// The origin of [`Inner::stale_before`].
+    epoch: Instant,
+    /// Pooled connections opened before this many nanoseconds after `epoch` are stale (0: none).
+    stale_before: AtomicU64,
 }
 
 impl Default for DatabaseHealth {
@@ -52,6 +74,8 @@ impl Default for DatabaseHealth {
                 down: Mutex::new(None),
                 gauge: Gauge::default(),
                 outages: Counter::default(),
+                epoch: Instant::now(),
+                stale_before: AtomicU64::new(0),
             }),
         }
     }
@@ -78,14 +102,22 @@ impl DatabaseHealth {
     }
 
     /// Why data requests are refused, and for how long they have been (`None` while up).
-    pub fn outage(&self) -> Option<(Duration, String)> {
+    pub fn outage(&self) -> Option<Outage> {
         if self.is_up() {
             return None;
         }
         let down = self.inner.down.lock().expect("health lock");
         Some(match &*down {
-            Some((since, cause)) => (since.elapsed(), cause.clone()),
-            None => (Duration::ZERO, "the store is still starting".into()),
+            Some((since, cause, read_only)) => Outage {
+                down_for: since.elapsed(),
+                cause: cause.clone(),
+                read_only: *read_only,
+            },
+            None => Outage {
+                down_for: Duration::ZERO,
+                cause: "the store is still starting".into(),
+                read_only: false,
+            },
         })
     }
 
@@ -125,7 +157,7 @@ impl DatabaseHealth {
             let down = self.inner.down.lock().expect("health lock").take();
             self.inner.gauge.set(1);
             match down {
-                Some((since, _)) if self.inner.outages.get() > 0 => tracing::info!(
+                Some((since, ..)) if self.inner.outages.get() > 0 => tracing::info!(
                     after_seconds = since.elapsed().as_secs_f64(),
                     "the database answers again; serving data requests"
                 ),
@@ -136,6 +168,10 @@ impl DatabaseHealth {
 
     /// Records that the database did not answer; opens the circuit if it was closed.
     pub(super) fn failed(&self, cause: &str) {
+        self.open_circuit(cause, false);
+    }
+
+    fn open_circuit(&self, cause: &str, read_only: bool) {
         let went_down = self
             .inner
             .up
@@ -143,8 +179,11 @@ impl DatabaseHealth {
         {
             let mut down = self.inner.down.lock().expect("health lock");
             match &mut *down {
-                Some((_, last)) if !went_down => cause.clone_into(last),
-                _ => *down = Some((Instant::now(), cause.into())),
+                Some((_, last, was_read_only)) if !went_down => {
+                    cause.clone_into(last);
+                    *was_read_only = read_only;
+                }
+                _ => *down = Some((Instant::now(), cause.into(), read_only)),
             }
         }
         if went_down {
@@ -158,6 +197,39 @@ impl DatabaseHealth {
         }
     }
 
+    /// Records a read-only answer (a standby, a demoted primary): opens the circuit like an
+    /// outage and makes every connection opened until now stale, so that none is reused.
+    pub(super) fn read_only(&self, cause: &str) {
+        let now = self.inner.epoch.elapsed().as_nanos().max(1);
+        self.inner
+            .stale_before
+            .store(u64::try_from(now).unwrap_or(u64::MAX), Ordering::SeqCst);
+        self.open_circuit(cause, true);
+    }
+
+    /// Records why the store could not start on the database: like [`DatabaseHealth::failed`],
+    /// or [`DatabaseHealth::read_only`] when the database refused to write.
+    pub(super) fn could_not_start(&self, e: &StoreError) {
+        match e {
+            StoreError::Refused {
+                refusal: super::Refusal::ReadOnly,
+                ..
+            } => self.read_only(&e.to_string()),
+            e => self.failed(&e.to_string()),
+        }
+    }
+
+    /// Whether a pooled connection opened `age` ago may be handed out again: `false` once a
+    /// read-only answer was seen after it was opened (see [`DatabaseHealth::read_only`]).
+    pub fn keeps_connection(&self, age: Duration) -> bool {
+        let stale_before = self.inner.stale_before.load(Ordering::SeqCst);
+        if stale_before == 0 {
+            return true;
+        }
+        let opened = self.inner.epoch.elapsed().saturating_sub(age);
+        opened.as_nanos() >= u128::from(stale_before)
+    }
+
     /// Asks the database every [`PROBE_INTERVAL`] on `probe`, each answer bounded by `deadline`,
     /// until `stop`.
     pub(super) async fn probe(
@@ -167,12 +239,12 @@ impl DatabaseHealth {
         stop: CancellationToken,
     ) {
         loop {
-            let answer = tokio::time::timeout(deadline, probe.ping()).await;
-            match answer {
-                Ok(Ok(())) => self.answered(),
+            match tokio::time::timeout(deadline, ask(&probe)).await {
+                Ok(Ok(Answer::Writable)) => self.answered(),
+                Ok(Ok(Answer::ReadOnly)) => self.read_only(READ_ONLY),
                 Ok(Err(e)) => self.failed(&StoreError::from(e).to_string()),
                 Err(_) => self.failed(&format!(
-                    "no answer within {deadline:?} (--database-timeout-seconds)"
+                    "no answer within {deadline:?} (--db-probe-timeout-ms)"
                 )),
             }
             tokio::select! {
@@ -181,6 +253,39 @@ impl DatabaseHealth {
             }
         }
     }
+}
+
+/// Why data requests are refused while the database is a standby.
+const READ_ONLY: &str = "the database is read-only (a standby: a failover or switchover is under way, \
+     or the server is pointed at a replica); waiting for a writable primary";
+
+/// What the probe learnt.
+enum Answer {
+    Writable,
+    ReadOnly,
+}
+
+/// One probe question: whether the database would take a write. A standby, or a primary set
+/// read-only (`default_transaction_read_only`, as some managed services do when the disk is
+/// full), answers a ping just as well; SQLite has nobody to ask but the file.
+async fn ask(probe: &DatabaseConnection) -> Result<Answer, sea_orm::DbErr> {
+    let backend = probe.get_database_backend();
+    let question = match backend {
+        DbBackend::Postgres => {
+            "SELECT current_setting('transaction_read_only') = 'on' AS read_only"
+        }
+        DbBackend::MySql => "SELECT @@global.read_only <> 0 AS read_only",
+        _ => return probe.ping().await.map(|()| Answer::Writable),
+    };
+    let row = probe
+        .query_one_raw(Statement::from_string(backend, question))
+        .await?
+        .ok_or_else(|| sea_orm::DbErr::Custom(format!("{question} returned no row")))?;
+    Ok(if row.try_get::<bool>("", "read_only")? {
+        Answer::ReadOnly
+    } else {
+        Answer::Writable
+    })
 }
 
 #[cfg(test)]
@@ -203,8 +308,9 @@ mod tests {
             1,
             "one outage, however many failures"
         );
-        let (_, cause) = health.outage().expect("down");
-        assert_eq!(cause, "connection refused again");
+        let outage = health.outage().expect("down");
+        assert_eq!(outage.cause, "connection refused again");
+        assert!(!outage.read_only);
         assert_eq!(health.inner.gauge.get(), 0);
         tokio::time::timeout(Duration::from_secs(1), health.went_down())
             .await
@@ -219,5 +325,23 @@ mod tests {
             .expect("came_up resolves on the answer")
             .unwrap();
         assert!(health.outage().is_none());
+    }
+
+    #[test]
+    fn a_read_only_answer_makes_older_connections_stale_only() {
+        let health = DatabaseHealth::default();
+        assert!(health.keeps_connection(Duration::from_secs(3600)));
+        std::thread::sleep(Duration::from_millis(20));
+        health.read_only("standby");
+        assert!(!health.keeps_connection(Duration::from_millis(10)));
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(
+            health.keeps_connection(Duration::from_millis(5)),
+            "a connection opened after the read-only answer is kept"
+        );
+        assert!(!health.is_up());
+        let outage = health.outage().expect("down");
+        assert_eq!(outage.cause, "standby");
+        assert!(outage.read_only);
     }
 }

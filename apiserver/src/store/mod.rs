@@ -94,6 +94,12 @@ impl StoreError {
         matches!(self, StoreError::Unavailable { .. })
     }
 
+    /// `true` when the database could not be reached or refused the work for now (read-only
+    /// during a failover, out of disk, busy): waiting for it, not giving up, is the answer.
+    pub fn is_transient(&self) -> bool {
+        self.is_unavailable() || matches!(self, StoreError::Refused { .. })
+    }
+
     /// The same error again, for another writer of a group commit round that failed with it
     /// (a driver error is kept as its text).
     pub(super) fn duplicate(&self) -> StoreError {
@@ -289,8 +295,9 @@ pub struct Store {
 impl Store {
     /// Connects, runs migrations and starts the change feed and the health probe.
     pub async fn connect(options: StoreOptions) -> Result<Self, StoreError> {
-        let db = open_database(&options, false).await?;
-        let store = Store::on(db, options);
+        let health = health::DatabaseHealth::default();
+        let db = open_database(&options, false, &health).await?;
+        let store = Store::on(db, options, health);
         store.start().await?;
         Ok(store)
     }
@@ -306,7 +313,8 @@ impl Store {
             connect_timeout: options.probe_timeout.min(options.connect_timeout),
             ..options.clone()
         };
-        let attempt = match open_database(&first, false).await {
+        let health = health::DatabaseHealth::default();
+        let attempt = match open_database(&first, false, &health).await {
             Ok(reachable) => {
                 drop(reachable);
                 Store::connect(options.clone()).await
@@ -315,11 +323,12 @@ impl Store {
         };
         let e = match attempt {
             Ok(store) => return Ok(store),
-            Err(e) if e.is_unavailable() => e,
+            Err(e) if e.is_transient() => e,
             Err(e) => return Err(e),
         };
-        let store = Store::on(open_database(&options, true).await?, options);
-        store.health.failed(&e.to_string());
+        let db = open_database(&options, true, &health).await?;
+        let store = Store::on(db, options, health);
+        store.health.could_not_start(&e);
         tracing::warn!(error = %e, "the database does not answer; serving discovery now, data once it answers");
         let starting = store.clone();
         tokio::spawn(
@@ -329,17 +338,17 @@ impl Store {
         Ok(store)
     }
 
-    fn on(db: DatabaseConnection, options: StoreOptions) -> Store {
+    fn on(db: DatabaseConnection, options: StoreOptions, health: health::DatabaseHealth) -> Store {
         Store {
             backend: db.get_database_backend(),
             cluster_id: options.cluster_id.clone().into(),
             feed: ChangeFeed::new(options.watch_buffer_bytes),
             db,
             options: Arc::new(options),
-            write_lock: Arc::default(),
+            write_lock: Arc::new(tokio::sync::Mutex::new(Writer::new(health.clone()))),
             commit_queue: Arc::default(),
             rule_cache: Arc::default(),
-            health: health::DatabaseHealth::default(),
+            health,
         }
     }
 
@@ -352,7 +361,7 @@ impl Store {
         let mut probe_options = (*self.options).clone();
         probe_options.max_connections = 1;
         probe_options.connect_timeout = self.options.probe_timeout;
-        let probe = open_database(&probe_options, true).await?;
+        let probe = open_database(&probe_options, true, &self.health).await?;
         tokio::spawn(
             self.health
                 .clone()
@@ -372,8 +381,8 @@ impl Store {
             tokio::time::sleep(wait).await;
             match self.start().await {
                 Ok(()) => return,
-                Err(e) if e.is_unavailable() => {
-                    self.health.failed(&e.to_string());
+                Err(e) if e.is_transient() => {
+                    self.health.could_not_start(&e);
                     wait = (wait * 2).min(Duration::from_secs(5));
                 }
                 Err(e) => {
@@ -542,12 +551,16 @@ impl Store {
 /// transaction on its own while the driver still counts it open, and the next "transaction" on
 /// that connection became a savepoint inside a transaction that never committed — writes
 /// acknowledged but invisible to other connections, and lost at restart.
-#[derive(Default)]
 pub(crate) struct Writer {
     db: Option<DatabaseConnection>,
+    health: health::DatabaseHealth,
 }
 
 impl Writer {
+    fn new(health: health::DatabaseHealth) -> Writer {
+        Writer { db: None, health }
+    }
+
     /// The writer connection, opened on first use.
     pub(crate) async fn connection(
         &mut self,
@@ -560,13 +573,22 @@ impl Writer {
             max_connections: 1,
             ..options.clone()
         };
-        let db = open_database(&single, true).await?;
+        let db = open_database(&single, true, &self.health).await?;
         self.db = Some(db.clone());
         Ok(db)
     }
 
-    /// Closes the connection after a failed transaction; the next write opens a new one.
-    pub(crate) fn discard(&mut self) {
+    /// Closes the connection after a transaction failed with `cause`; the next write opens a new
+    /// one. A read-only refusal (the primary was demoted) also tells the health circuit, which
+    /// makes every other pooled connection opened until now stale.
+    pub(crate) fn discard(&mut self, cause: &StoreError) {
+        if let StoreError::Refused {
+            refusal: Refusal::ReadOnly,
+            ..
+        } = cause
+        {
+            self.health.read_only(&cause.to_string());
+        }
         if let Some(db) = self.db.take() {
             tokio::spawn(async move { db.close().await.ok() });
         }
@@ -575,10 +597,13 @@ impl Writer {
 
 /// A connection pool to the database `options` name, with the session settings the store
 /// relies on (SQLite: WAL, full sync, a busy timeout); no migration. A `lazy` pool connects on
-/// first use (the database need not answer now).
+/// first use (the database need not answer now). The pool closes, instead of handing out, a
+/// connection that `health` says is stale (opened before a read-only answer: it may lead to a
+/// demoted primary).
 async fn open_database(
     options: &StoreOptions,
     lazy: bool,
+    health: &health::DatabaseHealth,
 ) -> Result<DatabaseConnection, StoreError> {
     check_database_url(&options.database_url)?;
     let mut connect = ConnectOptions::new(options.database_url.clone());
@@ -589,6 +614,16 @@ async fn open_database(
         .connect_timeout(options.connect_timeout)
         .acquire_timeout(options.connect_timeout)
         .sqlx_logging(false);
+    let postgres = health.clone();
+    connect.map_sqlx_postgres_before_acquire(move |_, opened| {
+        let keep = postgres.keeps_connection(opened.age);
+        Box::pin(async move { Ok(keep) })
+    });
+    let mysql = health.clone();
+    connect.map_sqlx_mysql_before_acquire(move |_, opened| {
+        let keep = mysql.keeps_connection(opened.age);
+        Box::pin(async move { Ok(keep) })
+    });
     if options.database_url.starts_with("sqlite:") {
         connect.map_sqlx_sqlite_opts(|o| {
             o.journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
@@ -619,7 +654,7 @@ pub async fn downgrade_schema(options: &StoreOptions, to: &str) -> Result<Vec<St
         )));
     }
     change_schema(
-        &open_database(options, false).await?,
+        &open_database(options, false, &health::DatabaseHealth::default()).await?,
         SchemaChange::DownTo(to),
     )
     .await

@@ -1161,8 +1161,8 @@ impl Store {
             Ok(versions)
         }
         .await;
-        if result.is_err() {
-            writer.discard();
+        if let Err(e) = &result {
+            writer.discard(e);
         }
         result
     }
