@@ -11,6 +11,7 @@ pub mod kyverno_fixtures;
 pub mod node;
 pub mod objects;
 pub mod operator;
+pub mod patroni;
 pub mod postgres;
 pub mod server;
 pub mod service_net;
