@@ -114,8 +114,13 @@ async fn under_load(disruption: Disruption) {
     } else {
         3
     };
-    let (healthy, ()) = tokio::join!(
-        cluster.await_healthy(expected_members, CLUSTER_RECOVERY),
+    let ((healthy, recovered), ()) = tokio::join!(
+        async {
+            let healthy = cluster
+                .await_healthy(expected_members, CLUSTER_RECOVERY)
+                .await;
+            (healthy, at.elapsed())
+        },
         tokio::time::sleep(AFTER)
     );
     let new_leader = healthy.unwrap_or_else(|e| {
@@ -125,13 +130,23 @@ async fn under_load(disruption: Disruption) {
         )
     });
     println!(
-        "[failover] leader {first_leader} → {new_leader}; the cluster had a leader with a synchronous standby behind HAProxy again within {CLUSTER_RECOVERY:?}"
+        "[failover] leader {first_leader} → {new_leader}: the cluster whole again ({expected_members} members running, a synchronous standby, HAProxy on the leader) {} ms after the disruption",
+        ms(recovered)
     );
     findings.check(new_leader != first_leader, "the leader changed", || {
         format!("expected a leader other than {first_leader}")
     });
     let offered = load.stop().await;
 
+    let end = offered.began + offered.took;
+    findings.check(
+        offered
+            .writes
+            .iter()
+            .any(|w| w.fate() == Fate::Acknowledged && w.started + Duration::from_secs(5) > end),
+        "writes are acknowledged again after the disruption",
+        || "no create sent in the load's last 5 s was acknowledged".into(),
+    );
     let stored = list_all(&api).await;
     check_writes(&offered.writes, &stored, &findings);
     print_figures(&offered, at, rate, &stored);
@@ -173,7 +188,10 @@ async fn disrupt(cluster: &mut PatroniCluster, disruption: Disruption, leader: &
             println!(
                 "[failover] patronictl switchover {leader} → {candidate} took {:?}: {}",
                 at.elapsed(),
-                out.lines().last().unwrap_or_default()
+                out.lines()
+                    .find(|l| l.contains("Successfully"))
+                    .unwrap_or_default()
+                    .trim()
             );
             at
         }
