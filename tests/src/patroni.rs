@@ -568,6 +568,12 @@ async fn await_etcd(port: u16) -> anyhow::Result<()> {
 /// A member's `patroni.yml`. Trust authentication on loopback (a test); `fsync` off (a killed
 /// process does not lose the page cache; only a machine crash would); a short
 /// `wal_retrieve_retry_interval` so that a replica follows a new leader within a second.
+///
+/// `use_pg_rewind` is needed even though only the synchronous standby is ever promoted: the
+/// asynchronous replica may have received more of the old primary's WAL than the synchronous
+/// standby (commits not yet confirmed, never acknowledged), and then cannot follow the new
+/// timeline without a rewind. It retries forever, strict mode has no synchronous standby to wait
+/// for, and every commit hangs (seen here about one failover in four before this setting).
 fn member_config(m: &Member, tools: &Tools, etcd_port: u16) -> String {
     let dir = m.dir.display();
     let bin = tools.pg_bin.display();
@@ -591,7 +597,7 @@ bootstrap:
     synchronous_mode: true
     synchronous_mode_strict: true
     postgresql:
-      use_pg_rewind: false
+      use_pg_rewind: true
       use_slots: true
       parameters:
         synchronous_commit: "on"
@@ -612,6 +618,8 @@ postgresql:
   data_dir: {dir}/data
   bin_dir: {bin}
   pgpass: {dir}/pgpass
+  remove_data_directory_on_rewind_failure: true
+  remove_data_directory_on_diverged_timelines: true
   authentication:
     superuser:
       username: postgres
