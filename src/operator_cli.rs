@@ -84,6 +84,14 @@ pub struct OperatorArgs {
         default_value_t = 300
     )]
     ready_requeue_seconds: u64,
+    /// Seconds between asking every server whether it reaches its database (the
+    /// `DatabaseAvailable` condition).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_DATABASE_CHECK_INTERVAL_SECONDS",
+        default_value_t = 10
+    )]
+    database_check_interval_seconds: u64,
     /// Longest backoff after failed reconciles, in seconds.
     #[arg(
         long,
@@ -107,6 +115,9 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
             degraded_requeue: Duration::from_secs(args.degraded_requeue_seconds),
             ready_requeue: Duration::from_secs(args.ready_requeue_seconds),
             max_backoff: Duration::from_secs(args.max_backoff_seconds),
+            database_check_interval: Duration::from_secs(
+                args.database_check_interval_seconds.max(1),
+            ),
             instance: Some(identity.clone()),
         },
         metrics_address: args.metrics_address,

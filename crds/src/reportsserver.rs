@@ -38,6 +38,10 @@ pub mod condition {
     pub const STALLED: &str = "Stalled";
     /// Same as `Stalled`, for readers that expect Degraded (Argo CD style).
     pub const DEGRADED: &str = "Degraded";
+    /// Whether the servers reach their database (`Unknown` when none answered). Not part of
+    /// `Ready`: a server whose database is down still serves discovery and answers data
+    /// requests 503, and an outage usually ends without the user.
+    pub const DATABASE_AVAILABLE: &str = "DatabaseAvailable";
 }
 
 /// One reports-server installation: database, replicas, TLS, served groups, aggregation, or a
@@ -404,7 +408,7 @@ pub struct ReportsServerStatus {
     /// The `metadata.generation` this status describes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready`, `Reconciling`, `Stalled`, `Degraded`.
+    /// `Ready`, `Reconciling`, `Stalled`, `Degraded`, `DatabaseAvailable`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// The database in use.

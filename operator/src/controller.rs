@@ -35,7 +35,9 @@ use reports_server_crds::reportsserver::{
 };
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
+use crate::database_check::{self, Observation};
 use crate::desired::{self, Database, Inputs, Tls};
 use crate::http::Metrics;
 use crate::migration::mailbox::Report;
@@ -88,6 +90,8 @@ pub struct OperatorConfig {
     pub ready_requeue: Duration,
     /// Longest backoff after errors.
     pub max_backoff: Duration,
+    /// How often every server is asked whether it reaches its database (`DatabaseAvailable`).
+    pub database_check_interval: Duration,
     /// Events' reporting instance (the pod name).
     pub instance: Option<String>,
 }
@@ -101,6 +105,7 @@ impl Default for OperatorConfig {
             degraded_requeue: Duration::from_secs(15),
             ready_requeue: Duration::from_secs(300),
             max_backoff: Duration::from_secs(300),
+            database_check_interval: Duration::from_secs(10),
             instance: None,
         }
     }
@@ -113,6 +118,8 @@ pub struct Context {
     pub metrics: Metrics,
     recorder: Recorder,
     failures: Mutex<HashMap<ObjectRef<ReportsServer>, u32>>,
+    /// What each installation's servers last said of their database (`database_check`).
+    databases: Mutex<HashMap<ObjectRef<ReportsServer>, Observation>>,
 }
 
 impl Context {
@@ -127,7 +134,26 @@ impl Context {
             config,
             metrics,
             failures: Mutex::new(HashMap::new()),
+            databases: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Keeps what an installation's servers said of their database.
+    pub(crate) fn record_database(&self, key: ObjectRef<ReportsServer>, seen: Observation) {
+        self.databases
+            .lock()
+            .expect("not poisoned")
+            .insert(key, seen);
+    }
+
+    /// What an installation's servers last said of their database.
+    fn database_of(&self, key: &ObjectRef<ReportsServer>) -> Observation {
+        self.databases
+            .lock()
+            .expect("not poisoned")
+            .get(key)
+            .cloned()
+            .unwrap_or_else(Observation::not_checked_yet)
     }
 
     async fn event(&self, rs: &ReportsServer, type_: EventType, reason: &str, note: String) {
@@ -821,12 +847,19 @@ async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action,
     if status.groups.is_empty() {
         status.groups = previous.groups.clone();
     }
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
     status.conditions = status::conditions(
         &previous.conditions,
         &outcome,
         rs.metadata.generation,
-        Time(k8s_openapi::jiff::Timestamp::now()),
+        now.clone(),
     );
+    status.conditions.push(status::database_condition(
+        &previous.conditions,
+        &ctx.database_of(&ObjectRef::from_obj(rs)),
+        rs.metadata.generation,
+        now,
+    ));
     if status != previous {
         let was = status::find(
             &previous.conditions,
@@ -1122,7 +1155,19 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             }
         };
     }
-    Controller::new(rs_api, watcher::Config::default().any_semantic())
+    let controller = Controller::new(rs_api, watcher::Config::default().any_semantic());
+    let (database_changed, reconcile_database) = futures::channel::mpsc::unbounded();
+    tokio::spawn(
+        database_check::run(
+            ctx.clone(),
+            controller.store(),
+            database_changed,
+            stop.clone(),
+        )
+        .instrument(tracing::info_span!("database_check")),
+    );
+    controller
+        .reconcile_all_on(reconcile_database)
         // The generated CA, serving certificate and database password: one deleted by hand
         // is recreated at once (and a renewed certificate reaches the pods, which reload it).
         .owns(owned_api!(Secret), managed.clone())

@@ -627,8 +627,9 @@ fn workload(rs: &ReportsServer, db: &Database, tls: &Tls, default_image: &str) -
         "imagePullPolicy": spec.image_pull_policy.clone().unwrap_or_else(|| "IfNotPresent".into()),
         "args": server_args(rs, db),
         "ports": [{"name": "https", "containerPort": SERVER_PORT, "protocol": "TCP"}],
-        // /livez answers while the database is down (the process is fine); /readyz does not, so
-        // a pod that cannot reach the database leaves the Service instead of being killed.
+        // Neither depends on the database: a pod that cannot reach it stays in the Service and
+        // answers data requests 503, so the APIServices stay Available and discovery whole
+        // (docs/operations.md); the operator's DatabaseAvailable condition tells the outage.
         "livenessProbe": probe("/livez", 6),
         "readinessProbe": probe("/readyz", 3),
         "securityContext": {

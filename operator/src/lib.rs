@@ -22,6 +22,7 @@
 //! deleted), set `insecureSkipTLSVerify`, or rely on Helm hooks.
 
 pub mod controller;
+pub mod database_check;
 pub mod desired;
 pub mod http;
 pub mod manifests;

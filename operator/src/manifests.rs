@@ -45,6 +45,8 @@ pub fn operator_rules() -> Value {
         {"apiGroups": [""], "resources": ["services", "serviceaccounts", "secrets", "configmaps"], "verbs": all_verbs()},
         {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": all_verbs()},
         {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": all_verbs()},
+        // The servers' endpoints, to ask each whether it reaches its database (DatabaseAvailable).
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list"]},
         {"apiGroups": ["apiregistration.k8s.io"], "resources": ["apiservices"], "verbs": all_verbs()},
         {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles", "clusterrolebindings", "rolebindings"], "verbs": all_verbs()},
         // Granting the servers' roles: `escalate` for the server ClusterRole the operator

@@ -7,11 +7,15 @@
 //! the old time, so `kubectl wait` and dashboards see real transitions only.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use reports_server_crds::reportsserver::condition::{DEGRADED, READY, RECONCILING, STALLED};
+use reports_server_crds::reportsserver::ReportsServer;
+use reports_server_crds::reportsserver::condition::{
+    DATABASE_AVAILABLE, DEGRADED, READY, RECONCILING, STALLED,
+};
 use reports_server_crds::reportsserver::{
     KindMigrationStatus, MigrationRunStatus, MigrationStatus,
 };
 
+use crate::database_check::Observation;
 use crate::migration::Phase;
 use crate::migration::mailbox::Report;
 
@@ -104,6 +108,36 @@ pub fn conditions(
     ];
     keep_transition_times(previous, &mut out);
     out
+}
+
+/// The `DatabaseAvailable` condition for what the servers last said of their database.
+pub fn database_condition(
+    previous: &[Condition],
+    seen: &Observation,
+    generation: Option<i64>,
+    now: Time,
+) -> Condition {
+    let mut out = [Condition {
+        type_: DATABASE_AVAILABLE.into(),
+        status: seen.status_text().into(),
+        reason: seen.reason.clone(),
+        message: seen.message.clone(),
+        observed_generation: generation,
+        last_transition_time: now,
+    }];
+    keep_transition_times(previous, &mut out);
+    let [condition] = out;
+    condition
+}
+
+/// Whether `rs`'s status already shows `seen` as its `DatabaseAvailable` condition.
+pub fn shows_database(rs: &ReportsServer, seen: &Observation) -> bool {
+    rs.status
+        .as_ref()
+        .and_then(|s| find(&s.conditions, DATABASE_AVAILABLE))
+        .is_some_and(|c| {
+            c.status == seen.status_text() && c.reason == seen.reason && c.message == seen.message
+        })
 }
 
 /// Keeps each condition's `lastTransitionTime` from `previous` unless its status flipped.
