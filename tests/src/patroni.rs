@@ -8,7 +8,8 @@
 //! `synchronous_mode_strict: true`, `synchronous_commit: on`): a commit returns only once the
 //! synchronous standby has it, and only that standby may be promoted, so no acknowledged commit
 //! can be lost by a failover. `ttl` 10 s, `loop_wait` 1 s and `retry_timeout` 4 s make a failover
-//! take about ten seconds instead of thirty.
+//! take about ten seconds instead of thirty. `use_pg_rewind` lets a replica that is ahead of the
+//! promoted standby follow it (see `member_config`).
 //!
 //! Each member is a *node*: Patroni runs in a PID namespace of its own (`unshare --pid
 //! --mount-proc`), so killing the namespace's first process takes Patroni, the postmaster and
@@ -195,13 +196,12 @@ impl PatroniCluster {
     pub async fn start(members: usize) -> anyhow::Result<Self> {
         let tools = tools()?;
         let etcd_bin = binaries_dir(false).await?.join("etcd");
+        anyhow::ensure!((1..=6).contains(&members), "1 to 6 members");
         let root = std::env::temp_dir().join(format!(
             "reports-server-patroni-{}-{}",
             std::process::id(),
             crate::server::free_port()
         ));
-        std::fs::create_dir_all(&root)?;
-        anyhow::ensure!((1..=6).contains(&members), "1 to 6 members");
         let ports = free_ports::<16>()?;
         let (etcd_port, peer_port, haproxy_port) = (ports[0], ports[1], ports[2]);
         // From here on, a failure drops the cluster, which kills what was started.
@@ -222,6 +222,7 @@ impl PatroniCluster {
             patronictl: tools.patronictl.clone(),
             psql: tools.pg_bin.join("psql"),
         };
+        std::fs::create_dir_all(&root)?;
         cluster.etcd = Some(spawn_etcd(&etcd_bin, &root, etcd_port, peer_port)?);
         cluster.haproxy = Some(spawn_haproxy(
             &tools.haproxy,
