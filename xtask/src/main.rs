@@ -24,7 +24,11 @@ use clap::Parser;
 /// kubelet, pods) next to a control plane and asserts that not one request fails while pods
 /// roll; with other end-to-end binaries beside it on two cores, a request now and then waited
 /// past its 5 s bound.
-const ALONE: &[&str] = &["tests/e2e_node", "tests/e2e_operator_node"];
+const ALONE: &[&str] = &[
+    "tests/e2e_node",
+    "tests/e2e_operator_node",
+    "tests/e2e_outage_node",
+];
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "reports-server's project automation")]
