@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
-use anyhow::{Context, bail};
+use anyhow::{Context, bail, ensure};
 
 struct Cluster {
     /// `postgres://user@127.0.0.1:port` without a database.
@@ -260,6 +260,8 @@ pub fn fresh_database() -> anyhow::Result<String> {
 /// own. Stopped and removed on drop.
 pub struct OwnedPostgres {
     instance: Instance,
+    /// Directories of clusters this one replaced ([`Self::become_standby`]), removed on drop.
+    replaced: Vec<PathBuf>,
 }
 
 impl OwnedPostgres {
@@ -267,7 +269,10 @@ impl OwnedPostgres {
     pub fn start() -> anyhow::Result<Self> {
         let instance = Instance::create("owned-")?;
         // Dropping `owned` on a failed start removes the directory.
-        let owned = OwnedPostgres { instance };
+        let owned = OwnedPostgres {
+            instance,
+            replaced: Vec::new(),
+        };
         owned.instance.start()?;
         Ok(owned)
     }
@@ -285,6 +290,70 @@ impl OwnedPostgres {
     /// Starts it again on the same port and data, waiting until it accepts connections.
     pub fn start_again(&self) -> anyhow::Result<()> {
         self.instance.start()
+    }
+
+    /// What a server sees when, after a failover, its database address leads to a standby: a
+    /// copy of this cluster (`pg_basebackup -R`, so everything committed so far) replaces it on
+    /// the same port and starts in recovery, read-only, with no primary to follow. The original
+    /// is stopped at once.
+    pub fn become_standby(&mut self) -> anyhow::Result<()> {
+        let dir = self.instance.dir.with_extension("standby");
+        std::fs::create_dir_all(&dir)?;
+        let dir_text = dir.to_str().context("standby directory path")?;
+        if unsafe { libc::geteuid() } == 0 {
+            let status = Command::new("chown")
+                .args(["postgres:postgres", dir_text])
+                .status()?;
+            ensure!(status.success(), "chown {dir_text} to postgres");
+        }
+        let source = format!("host=127.0.0.1 port={} user=postgres", self.instance.port);
+        let backup = self.instance.bin.join("pg_basebackup");
+        let out = as_postgres(
+            &backup,
+            &[
+                "-D", dir_text, "-R", "-X", "stream", "-c", "fast", "-d", &source,
+            ],
+        )
+        .output()?;
+        ensure!(
+            out.status.success(),
+            "pg_basebackup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // No upstream: the standby must stay one, not follow (or stream from) itself.
+        let auto_conf = dir.join("postgresql.auto.conf");
+        let kept: String = std::fs::read_to_string(&auto_conf)?
+            .lines()
+            .filter(|l| !l.starts_with("primary_conninfo"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(&auto_conf, kept)?;
+        // The original's socket lock (its sockets live in its data directory) came along.
+        for entry in std::fs::read_dir(&dir)?.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(".s.PGSQL") {
+                std::fs::remove_file(entry.path())?;
+            }
+        }
+        // PostgreSQL refuses a data directory others may read.
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        self.instance.stop()?;
+        self.replaced
+            .push(std::mem::replace(&mut self.instance.dir, dir));
+        self.instance.start()
+    }
+
+    /// Promotes a standby made by [`Self::become_standby`] to primary, waiting until it is one.
+    pub fn promote(&self) -> anyhow::Result<()> {
+        let ctl = self.instance.bin.join("pg_ctl");
+        let dir = self.instance.dir.to_str().context("data directory path")?;
+        let out = as_postgres(&ctl, &["-D", dir, "-w", "promote"]).output()?;
+        ensure!(
+            out.status.success(),
+            "pg_ctl promote failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
     }
 
     /// Runs `statement` with psql as the superuser; returns its unaligned output (one line per
@@ -355,6 +424,9 @@ impl Drop for OwnedPostgres {
         // A frozen cluster would not stop: thaw it first (a no-op when it runs or is stopped).
         let _ = self.thaw();
         self.instance.discard();
+        for dir in &self.replaced {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 

@@ -1092,11 +1092,13 @@ async fn a_server_started_while_its_database_is_down_serves_once_it_is_back() {
     );
 }
 
-/// The server's connections to `pg`: backend pids of client connections other than psql's own.
+/// The server's pooled connections to `pg`: backend pids of client connections other than
+/// psql's own and the change feed's `LISTEN` connection (kept on a primary that refused writes;
+/// it reconnects when the circuit opens, which a standby makes it do).
 fn backends(pg: &OwnedPostgres) -> std::collections::BTreeSet<String> {
     pg.sql(
         "SELECT pid FROM pg_stat_activity WHERE backend_type = 'client backend' \
-         AND pid <> pg_backend_pid()",
+         AND pid <> pg_backend_pid() AND query NOT LIKE 'LISTEN%'",
     )
     .expect("list the server's connections")
     .lines()
@@ -1114,13 +1116,12 @@ fn read_only(pg: &OwnedPostgres, on: bool) {
     pg.sql("SELECT pg_reload_conf()").expect("reload");
 }
 
-/// A primary that turns read-only — what the server sees on connections to a demoted primary,
-/// or from a managed database that set `default_transaction_read_only` when its disk filled —
-/// is an outage: data calls answer 503 naming it instead of failing one by one, the circuit
-/// closes once the database takes writes again, and no connection opened before is used again
-/// (after a failover it would lead to the old primary).
+/// A primary set read-only (`default_transaction_read_only`, as some managed services do when
+/// their disk fills; also what writes meet on a demoted primary) refuses writes with 503 naming
+/// it and keeps serving reads; once it takes writes again, no connection opened before the
+/// refusal is used again (after a failover it would lead to the old primary).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_read_only_database_is_an_outage_and_its_connections_are_replaced() {
+async fn a_read_only_primary_refuses_writes_and_its_connections_are_replaced() {
     let pg = OwnedPostgres::start().unwrap_or_else(|e| panic!("no PostgreSQL: {e:#}"));
     let dir = tempfile::tempdir().unwrap();
     let server = ServerProcess::start(dir.path(), Some(pg.url()))
@@ -1129,11 +1130,8 @@ async fn a_read_only_database_is_an_outage_and_its_connections_are_replaced() {
     let client = server.client_without_retries().await.unwrap();
     let first = create(&client, "before", 0).await;
     assert_eq!(first.code(), Some(201), "create before: {}", first.got);
-    let (lists, _) = tokio::join!(
-        futures::future::join_all((0..4).map(|_| send(&client, "GET", COLLECTION, None))),
-        tokio::time::sleep(Duration::from_millis(600)),
-    );
-    assert!(lists.iter().all(|l| l.code() == Some(200)));
+    let lists = futures::future::join_all((0..4).map(|_| send(&client, "GET", COLLECTION, None)));
+    assert!(lists.await.iter().all(|l| l.code() == Some(200)));
     let before = backends(&pg);
     assert!(!before.is_empty(), "the server holds no connection");
 
@@ -1144,41 +1142,32 @@ async fn a_read_only_database_is_an_outage_and_its_connections_are_replaced() {
         let name = format!("while-read-only-{n}");
         let call = create(&client, &name, n).await;
         match call.code() {
-            Some(503) => {
+            Some(503) if call.got.to_string().contains("read-only") => {
                 refused.push(name);
                 break;
             }
             Some(201) if turned.elapsed() < DETECTION => {}
             _ => panic!(
-                "expected creates to answer 503 within {DETECTION:?} of the database turning \
-                 read-only; after {:?}: {}\n{}",
+                "expected creates to answer 503 naming read-only within {DETECTION:?}; after {:?}: {}\n{}",
                 turned.elapsed(),
                 call.got,
                 server.log_tail()
             ),
         }
     }
-    eprintln!(
-        "[degrade] read-only noticed {:?} after it was set",
-        turned.elapsed()
+    let read = send(&client, "GET", &format!("{COLLECTION}/before"), None).await;
+    assert_eq!(
+        read.code(),
+        Some(200),
+        "reads go on while writes are refused: {}",
+        read.got
     );
-    for call in [
-        send(&client, "GET", COLLECTION, None).await,
-        create(&client, "refused", 99).await,
-    ] {
-        assert!(
-            call.code() == Some(503)
-                && call.took < FAST
-                && call.got.to_string().contains("read-only"),
-            "expected {} to answer 503 naming the read-only database within {FAST:?}; got {} after {:?}",
-            call.what,
-            call.got,
-            call.took
-        );
-    }
-    refused.push("refused".into());
     let metrics = send(&client, "GET", "/metrics", None).await;
-    assert_eq!(database_up(&metrics), Some(0.0), "{METRIC} while read-only");
+    assert_eq!(
+        database_up(&metrics),
+        Some(1.0),
+        "{METRIC}: a read-only primary is no outage"
+    );
 
     read_only(&pg, false);
     let writable = Instant::now();
@@ -1188,15 +1177,15 @@ async fn a_read_only_database_is_an_outage_and_its_connections_are_replaced() {
             Some(201) => break,
             Some(503) if writable.elapsed() < RECOVERY => tokio::time::sleep(PROBE_PERIOD).await,
             _ => panic!(
-                "expected a create to succeed within {RECOVERY:?} of the database taking writes \
-                 again; got {}\n{}",
+                "expected a create to succeed once writable; got {}\n{}",
                 call.got,
                 server.log_tail()
             ),
         }
     }
     eprintln!(
-        "[degrade] writable again: served {:?} later",
+        "[degrade] read-only refused within {:?}; writable again: served {:?} later",
+        turned.elapsed(),
         writable.elapsed()
     );
     for name in &refused {
@@ -1208,24 +1197,122 @@ async fn a_read_only_database_is_an_outage_and_its_connections_are_replaced() {
             got.got
         );
     }
+    await_replaced(&pg, &client, &before, &server).await;
+}
+
+/// Lists until no connection from `before` is open any more.
+async fn await_replaced(
+    pg: &OwnedPostgres,
+    client: &kube::Client,
+    before: &std::collections::BTreeSet<String>,
+    server: &ServerProcess,
+) {
     let replaced_by = Instant::now() + RECOVERY;
     loop {
         let calls =
-            futures::future::join_all((0..4).map(|_| send(&client, "GET", COLLECTION, None))).await;
+            futures::future::join_all((0..4).map(|_| send(client, "GET", COLLECTION, None))).await;
         assert!(
             calls.iter().all(|c| c.code() == Some(200)),
             "lists after recovery"
         );
-        let kept: Vec<String> = backends(&pg).intersection(&before).cloned().collect();
+        let kept: Vec<String> = backends(pg).intersection(before).cloned().collect();
         if kept.is_empty() {
-            break;
+            return;
         }
         assert!(
             Instant::now() < replaced_by,
-            "connections opened before the database turned read-only are still open {RECOVERY:?} \
-             after it took writes again: backend pids {kept:?}\n{}",
+            "connections opened before the read-only refusal are still open {RECOVERY:?} after \
+             the database took writes again: backend pids {kept:?}\n{}",
             server.log_tail()
         );
         tokio::time::sleep(PROBE_PERIOD).await;
     }
+}
+
+/// After a failover whose address first leads to a standby (the old primary demoted, or a
+/// replica promoted late): the server treats the standby as an outage — data calls answer 503
+/// naming it, fast, the gauge is 0 — and serves again, with everything acknowledged before,
+/// once the standby is promoted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_is_an_outage_until_it_is_promoted() {
+    let mut pg = OwnedPostgres::start().unwrap_or_else(|e| panic!("no PostgreSQL: {e:#}"));
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), Some(pg.url()))
+        .await
+        .expect("start the server");
+    let client = server.client_without_retries().await.unwrap();
+    for n in 0..5 {
+        let call = create(&client, &format!("acked-{n}"), n).await;
+        assert_eq!(call.code(), Some(201), "create acked-{n}: {}", call.got);
+    }
+    pg.become_standby()
+        .expect("replace the primary with a standby");
+    let demoted = Instant::now();
+    let deadline = demoted + DETECTION + Duration::from_secs(2);
+    loop {
+        let call = send(&client, "GET", COLLECTION, None).await;
+        if call.code() == Some(503) && call.got.to_string().contains("standby") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "expected lists to answer 503 naming the standby; the last answer was {}\n{}",
+            call.got,
+            server.log_tail()
+        );
+        tokio::time::sleep(PROBE_PERIOD).await;
+    }
+    eprintln!(
+        "[degrade] standby noticed {:?} after the switch",
+        demoted.elapsed()
+    );
+    let refused = create(&client, "refused", 99).await;
+    assert!(
+        refused.code() == Some(503) && refused.took < FAST,
+        "a create on a standby: expected 503 within {FAST:?}; got {} after {:?}",
+        refused.got,
+        refused.took
+    );
+    let metrics = send(&client, "GET", "/metrics", None).await;
+    assert_eq!(database_up(&metrics), Some(0.0), "{METRIC} on a standby");
+    await_code(
+        &client,
+        "/apis",
+        200,
+        Instant::now(),
+        "discovery on a standby",
+    )
+    .await;
+
+    pg.promote().expect("promote the standby");
+    let promoted = Instant::now();
+    loop {
+        let call = create(&client, "after", 100).await;
+        match call.code() {
+            Some(201) => break,
+            Some(503) if promoted.elapsed() < RECOVERY => tokio::time::sleep(PROBE_PERIOD).await,
+            _ => panic!(
+                "expected a create to succeed after the promotion; got {}\n{}",
+                call.got,
+                server.log_tail()
+            ),
+        }
+    }
+    eprintln!("[degrade] promoted: served {:?} later", promoted.elapsed());
+    for n in 0..5 {
+        let got = send(&client, "GET", &format!("{COLLECTION}/acked-{n}"), None).await;
+        assert_eq!(
+            got.code(),
+            Some(200),
+            "acknowledged acked-{n} is missing: {}",
+            got.got
+        );
+    }
+    let got = send(&client, "GET", &format!("{COLLECTION}/refused"), None).await;
+    assert_eq!(
+        got.code(),
+        Some(404),
+        "the refused create was stored: {}",
+        got.got
+    );
 }

@@ -147,7 +147,7 @@ impl ApiError {
         let seconds = outage.down_for.as_secs();
         let message = if outage.read_only {
             format!(
-                "the database has been read-only for {seconds}s (a standby: a failover or switchover is under way); policy reports cannot be read or written until a writable primary answers (discovery is not affected); retry later"
+                "the database has been a read-only standby for {seconds}s (a failover or switchover is under way); policy reports cannot be read or written until a primary answers (discovery is not affected); retry later"
             )
         } else {
             format!(

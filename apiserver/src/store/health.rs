@@ -10,12 +10,16 @@
 //! connection timeout, and requests caught in flight when it opens are ended (see
 //! `http::database_gate`). The state is a gauge and one log line per transition, never readiness.
 //!
-//! A database that answers read-only is no better than one that does not: after a failover the
-//! old primary comes back as a standby, and connections still open to it (or opened through a
-//! proxy that has not noticed yet) would read stale rows and refuse every write. So read-only
-//! answers, from the probe (`transaction_read_only`) or from a write, open the circuit like an
-//! outage and mark every pooled connection opened before them as stale: pools close those
-//! instead of handing them out again ([`DatabaseHealth::keeps_connection`]).
+//! A standby is no better than a database that does not answer: after a failover the old
+//! primary comes back as one, and connections still open to it (or opened through a proxy that
+//! has not noticed yet) would read stale rows and refuse every write. So when the probe finds
+//! the database in recovery (`pg_is_in_recovery()`), the circuit opens like for an outage, and
+//! every pooled connection opened before is marked stale: pools close those instead of handing
+//! them out again ([`DatabaseHealth::keeps_connection`]). A write refused as read-only marks
+//! them stale too (the next ones may lead to the new primary) but opens nothing by itself: a
+//! primary set read-only (`default_transaction_read_only`, as some managed services do when
+//! their disk fills) still serves current reads, so only its writes are refused, like on a
+//! full disk.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -197,14 +201,20 @@ impl DatabaseHealth {
         }
     }
 
-    /// Records a read-only answer (a standby, a demoted primary): opens the circuit like an
+    /// Records that the database is a standby (a demoted primary): opens the circuit like an
     /// outage and makes every connection opened until now stale, so that none is reused.
     pub(super) fn read_only(&self, cause: &str) {
+        self.connections_stale();
+        self.open_circuit(cause, true);
+    }
+
+    /// Makes every pooled connection opened until now stale (a write was refused as read-only:
+    /// the connection may lead to a demoted primary).
+    pub(super) fn connections_stale(&self) {
         let now = self.inner.epoch.elapsed().as_nanos().max(1);
         self.inner
             .stale_before
             .store(u64::try_from(now).unwrap_or(u64::MAX), Ordering::SeqCst);
-        self.open_circuit(cause, true);
     }
 
     /// Records why the store could not start on the database: like [`DatabaseHealth::failed`],
@@ -256,8 +266,8 @@ impl DatabaseHealth {
 }
 
 /// Why data requests are refused while the database is a standby.
-const READ_ONLY: &str = "the database is read-only (a standby: a failover or switchover is under way, \
-     or the server is pointed at a replica); waiting for a writable primary";
+const READ_ONLY: &str = "the database is a standby (read-only: a failover or switchover is under way, \
+     or the server is pointed at a replica); waiting for a primary";
 
 /// What the probe learnt.
 enum Answer {
@@ -265,15 +275,13 @@ enum Answer {
     ReadOnly,
 }
 
-/// One probe question: whether the database would take a write. A standby, or a primary set
-/// read-only (`default_transaction_read_only`, as some managed services do when the disk is
-/// full), answers a ping just as well; SQLite has nobody to ask but the file.
+/// One probe question: whether the database is a primary. A standby answers a ping just as
+/// well; SQLite has nobody to ask but the file.
 async fn ask(probe: &DatabaseConnection) -> Result<Answer, sea_orm::DbErr> {
     let backend = probe.get_database_backend();
     let question = match backend {
-        DbBackend::Postgres => {
-            "SELECT current_setting('transaction_read_only') = 'on' AS read_only"
-        }
+        DbBackend::Postgres => "SELECT pg_is_in_recovery() AS read_only",
+        // A MySQL replica is read-only; a primary set read-only is treated the same.
         DbBackend::MySql => "SELECT @@global.read_only <> 0 AS read_only",
         _ => return probe.ping().await.map(|()| Answer::Writable),
     };
