@@ -10,6 +10,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+use tracing::Instrument;
 
 use anyhow::Context;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -425,11 +426,14 @@ async fn run_cluster(args: AggregateArgs) -> anyhow::Result<()> {
     );
     let cancel = CancellationToken::new();
     let token = cancel.clone();
-    tokio::spawn(async move {
-        crate::shutdown_signal().await;
-        tracing::info!("shutting down");
-        token.cancel();
-    });
+    tokio::spawn(
+        async move {
+            crate::shutdown_signal().await;
+            tracing::info!("shutting down");
+            token.cancel();
+        }
+        .instrument(tracing::info_span!("shutdown_signal")),
+    );
     ClusterAggregator::new(client, config)
         .run(cancel)
         .await

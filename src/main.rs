@@ -23,6 +23,7 @@ mod operator_cli;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
+use tracing::Instrument;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
@@ -425,23 +426,26 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let token = server.shutdown_token();
     let draining = server.draining_token();
     let delay = Duration::from_secs(args.shutdown_delay_seconds);
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        if !delay.is_zero() {
-            tracing::info!(
-                delay_seconds = delay.as_secs(),
-                "terminating: /readyz now fails; still serving until the delay ends"
-            );
-            draining.cancel();
-            tokio::select! {
-                _ = tokio::time::sleep(delay) => {}
-                // A second signal stops at once.
-                _ = shutdown_signal() => {}
+    tokio::spawn(
+        async move {
+            shutdown_signal().await;
+            if !delay.is_zero() {
+                tracing::info!(
+                    delay_seconds = delay.as_secs(),
+                    "terminating: /readyz now fails; still serving until the delay ends"
+                );
+                draining.cancel();
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    // A second signal stops at once.
+                    _ = shutdown_signal() => {}
+                }
             }
+            tracing::info!("shutting down");
+            token.cancel();
         }
-        tracing::info!("shutting down");
-        token.cancel();
-    });
+        .instrument(tracing::info_span!("shutdown_signal")),
+    );
     server.wait().await;
     if let Some(aggregation) = aggregation {
         // Releases the aggregation lease at once so another replica takes over without waiting.

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
+use tracing::Instrument;
 
 use clap::Args;
 use reports_server_aggregator::cluster::lease;
@@ -130,10 +131,13 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     };
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
-    tokio::spawn(async move {
-        crate::shutdown_signal().await;
-        signal.cancel();
-    });
+    tokio::spawn(
+        async move {
+            crate::shutdown_signal().await;
+            signal.cancel();
+        }
+        .instrument(tracing::info_span!("shutdown_signal")),
+    );
     reports_server_operator::operate(client, options, shutdown).await?;
     Ok(())
 }

@@ -101,6 +101,7 @@ impl<B: AggregationBackend> Aggregator<B> {
     /// reports from an older Kyverno, or from a switch of layout), the namespace is merged in
     /// one piece instead so that their results move to per-resource reports without loss.
     /// Per-policy layout: always in one piece (a policy's report spans all subjects).
+    #[tracing::instrument(name = "merge", skip(self))]
     pub async fn reconcile(&self, namespace: &str) -> Result<ReconcileOutcome, Error> {
         let started = Instant::now();
         let result = self.reconcile_inner(namespace).await;
@@ -137,6 +138,7 @@ impl<B: AggregationBackend> Aggregator<B> {
         result
     }
 
+    #[tracing::instrument(name = "load_page", level = "debug", skip_all, fields(continued = token.is_some()))]
     async fn load(&self, namespace: &str, token: Option<&str>) -> Result<InputPage, Error> {
         let request = PageRequest {
             namespace,
@@ -144,11 +146,26 @@ impl<B: AggregationBackend> Aggregator<B> {
             continue_token: token,
             limit: self.config.page_size.max(1),
         };
-        Ok(self.backend.load_page(request).await?)
+        let page = self.backend.load_page(request).await?;
+        tracing::debug!(
+            reports = page.reports.len(),
+            ephemerals = page.ephemerals.len(),
+            more = page.next.is_some(),
+            "page loaded"
+        );
+        Ok(page)
     }
 
+    #[tracing::instrument(name = "apply_plan", level = "debug", skip_all)]
     async fn apply(&self, plan: &Plan, outcome: &mut ReconcileOutcome) -> Result<(), Error> {
         if !plan.is_empty() {
+            tracing::debug!(
+                creates = plan.creates.len(),
+                updates = plan.updates.len(),
+                deletes = plan.deletes.len(),
+                ephemerals_consumed = plan.ephemeral_deletes.len(),
+                "applying the plan"
+            );
             self.backend.apply(plan).await?;
             outcome.applies += 1;
         }
@@ -169,15 +186,17 @@ impl<B: AggregationBackend> Aggregator<B> {
         });
         if options.layout == Layout::PerResource && !multi_subject {
             loop {
-                let plan = merge_page(
-                    &MergeInput {
-                        namespace,
-                        reports: &page.reports,
-                        ephemerals: &page.ephemerals,
-                        policies: policies.as_ref(),
-                    },
-                    options,
-                )?;
+                let plan = tracing::debug_span!("plan").in_scope(|| {
+                    merge_page(
+                        &MergeInput {
+                            namespace,
+                            reports: &page.reports,
+                            ephemerals: &page.ephemerals,
+                            policies: policies.as_ref(),
+                        },
+                        options,
+                    )
+                })?;
                 self.apply(&plan, &mut outcome).await?;
                 let Some(next) = page.next.take() else {
                     break;
@@ -195,15 +214,17 @@ impl<B: AggregationBackend> Aggregator<B> {
             };
             page = self.load(namespace, Some(&next)).await?;
         }
-        let plan = merge_namespace(
-            &MergeInput {
-                namespace,
-                reports: &all.reports,
-                ephemerals: &all.ephemerals,
-                policies: policies.as_ref(),
-            },
-            options,
-        );
+        let plan = tracing::debug_span!("plan").in_scope(|| {
+            merge_namespace(
+                &MergeInput {
+                    namespace,
+                    reports: &all.reports,
+                    ephemerals: &all.ephemerals,
+                    policies: policies.as_ref(),
+                },
+                options,
+            )
+        });
         self.apply(&plan, &mut outcome).await?;
         Ok(outcome)
     }

@@ -205,6 +205,7 @@ impl<S: LeaseStore> Elector<S> {
     /// must then return promptly, and it is awaited before anything else happens. If it
     /// returns on its own, the lease is released and sought again after a retry interval.
     /// `leading` is told `true` before the work starts and `false` once it has returned.
+    #[tracing::instrument(name = "election", skip_all)]
     pub async fn run<F, Fut>(&self, cancel: CancellationToken, work: F, leading: impl Fn(bool))
     where
         F: Fn(CancellationToken) -> Fut,

@@ -5,8 +5,8 @@
 //! `--aggregateReports=false` that job moves here, next to the data: reports-server merges in
 //! the same transaction that deletes the consumed ephemeral reports, instead of through
 //! thousands of API calls. The output must be what Kyverno would write (names, labels, order,
-//! summaries), so every rule here follows `shared/reference/kyverno-aggregation.md`; the
-//! user-facing description is `docs/aggregation.md`.
+//! summaries), so every rule here follows Kyverno's own (`pkg/controllers/report/aggregate` in
+//! kyverno/kyverno ≥ 1.12), as `docs/aggregation.md` lists them.
 //!
 //! * [`merge`]: the pure merge (no I/O), namespace-wide or page by page;
 //! * [`policy`]: the live policy set and Kyverno's autogen rule naming;

@@ -56,6 +56,7 @@ use std::fmt::Display;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tracing::Instrument;
 
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
@@ -280,30 +281,33 @@ impl WorkQueue {
             let queue = self.clone();
             let handler = handler.clone();
             let cancel = cancel.clone();
-            set.spawn(async move {
-                loop {
-                    let key = tokio::select! {
-                        biased;
-                        _ = cancel.cancelled() => break,
-                        key = queue.next_ready() => key,
-                    };
-                    let outcome = tokio::select! {
-                        biased;
-                        _ = cancel.cancelled() => break,
-                        r = handler(key.clone()) => r,
-                    };
-                    match &outcome {
-                        Ok(()) => tracing::debug!(worker, key, "aggregated"),
-                        Err(e) => tracing::warn!(
-                            worker,
-                            key,
-                            failures = queue.failures(&key) + 1,
-                            "aggregation failed, will retry: {e}"
-                        ),
+            set.spawn(
+                async move {
+                    loop {
+                        let key = tokio::select! {
+                            biased;
+                            _ = cancel.cancelled() => break,
+                            key = queue.next_ready() => key,
+                        };
+                        let outcome = tokio::select! {
+                            biased;
+                            _ = cancel.cancelled() => break,
+                            r = handler(key.clone()) => r,
+                        };
+                        match &outcome {
+                            Ok(()) => tracing::debug!(worker, key, "aggregated"),
+                            Err(e) => tracing::warn!(
+                                worker,
+                                key,
+                                failures = queue.failures(&key) + 1,
+                                "aggregation failed, will retry: {e}"
+                            ),
+                        }
+                        queue.finish(&key, outcome.is_ok());
                     }
-                    queue.finish(&key, outcome.is_ok());
                 }
-            });
+                .instrument(tracing::info_span!("queue_worker", worker)),
+            );
         }
         while set.join_next().await.is_some() {}
     }

@@ -16,6 +16,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
+use tracing::Instrument;
 
 use futures::StreamExt;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
@@ -240,27 +241,33 @@ impl DelegatedAuthenticator {
             tokens: ReviewCache::new(CACHE_TTL, CACHE_ENTRIES),
         });
         let watched = shared.clone();
-        tokio::spawn(async move {
-            let cfg = watcher::Config::default().fields(&format!("metadata.name={CONFIGMAP}"));
-            let mut stream = watcher(api, cfg)
-                .default_backoff()
-                .applied_objects()
-                .boxed();
-            while let Some(event) = stream.next().await {
-                match event {
-                    Ok(cm) => {
-                        match AuthenticationConfig::from_configmap(&cm.data.unwrap_or_default()) {
-                            Ok(c) => {
-                                *watched.write().expect("config lock") = Arc::new(c);
-                                tracing::info!("reloaded {CONFIGMAP}");
+        tokio::spawn(
+            async move {
+                let cfg = watcher::Config::default().fields(&format!("metadata.name={CONFIGMAP}"));
+                let mut stream = watcher(api, cfg)
+                    .default_backoff()
+                    .applied_objects()
+                    .boxed();
+                while let Some(event) = stream.next().await {
+                    match event {
+                        Ok(cm) => {
+                            match AuthenticationConfig::from_configmap(&cm.data.unwrap_or_default())
+                            {
+                                Ok(c) => {
+                                    *watched.write().expect("config lock") = Arc::new(c);
+                                    tracing::info!("reloaded {CONFIGMAP}");
+                                }
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "ignoring invalid {CONFIGMAP}")
+                                }
                             }
-                            Err(e) => tracing::warn!(error = %e, "ignoring invalid {CONFIGMAP}"),
                         }
+                        Err(e) => tracing::warn!(error = %e, "watching {CONFIGMAP}"),
                     }
-                    Err(e) => tracing::warn!(error = %e, "watching {CONFIGMAP}"),
                 }
             }
-        });
+            .instrument(tracing::info_span!("auth_config_watch")),
+        );
         Ok((this, DynamicClientVerifier { config: shared }))
     }
 
@@ -517,14 +524,17 @@ impl NamespaceLifecycle {
         let stream = reflector(writer, watcher(api, watcher::Config::default()))
             .default_backoff()
             .touched_objects();
-        tokio::spawn(async move {
-            futures::pin_mut!(stream);
-            while let Some(event) = stream.next().await {
-                if let Err(e) = event {
-                    tracing::warn!(error = %e, "watching namespaces");
+        tokio::spawn(
+            async move {
+                futures::pin_mut!(stream);
+                while let Some(event) = stream.next().await {
+                    if let Err(e) = event {
+                        tracing::warn!(error = %e, "watching namespaces");
+                    }
                 }
             }
-        });
+            .instrument(tracing::info_span!("namespace_watch")),
+        );
         let _ = tokio::time::timeout(Duration::from_secs(10), reader.wait_until_ready()).await;
         Arc::new(NamespaceLifecycle {
             client,

@@ -63,6 +63,7 @@ use sea_orm::{
 };
 use serde_json::Value;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use crate::registry::{
     DeletePreconditions, FieldValidation, RegistryError, ResourceRef, Validation, decide_delete,
@@ -505,8 +506,9 @@ impl Op<'_> {
         }
     }
 
-    /// Decides the write from the current state, inside the transaction. Reuses the API's own
-    /// rules (`http::objects`) so that aggregated writes are indistinguishable from API writes:
+    /// Decides the write from the current state, inside the transaction. Reuses the registry's
+    /// object rules (`prepare_create`, `decide_update`, `decide_delete`) so that aggregated
+    /// writes are indistinguishable from API writes:
     /// server-owned metadata on creation, generation bumped on content changes, optimistic
     /// concurrency, finalizers honoured on deletion.
     fn decide(&self, current: Option<Value>) -> Result<Mutation, AggregationError> {
@@ -903,11 +905,12 @@ impl InProcessAggregator {
         term: &CancellationToken,
     ) -> watch::Receiver<Option<PolicySet>> {
         let watcher = PolicyWatcher::new(cluster.metrics.clone());
-        tokio::spawn(watcher.clone().run(
-            cluster.client.clone(),
-            term.clone(),
-            DEFAULT_REDISCOVERY,
-        ));
+        tokio::spawn(
+            watcher
+                .clone()
+                .run(cluster.client.clone(), term.clone(), DEFAULT_REDISCOVERY)
+                .instrument(tracing::info_span!("policy_watcher")),
+        );
         if !watcher.wait_synced(cluster.policy_sync_timeout).await {
             tracing::warn!(pending = ?watcher.pending_kinds(), "policies not listed in time; aggregating with those kinds unknown (none of their results dropped)");
         }
@@ -992,6 +995,7 @@ async fn follow_changes(
 
 /// Runs in-process aggregation on `store` until `cancel` fires (the entry point of
 /// `reports-server serve`), with the default lease timing.
+#[tracing::instrument(name = "in_process_aggregation", skip_all)]
 pub async fn run_in_process(
     store: Store,
     config: AggregatorConfig,

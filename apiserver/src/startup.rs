@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 use tokio_util::sync::CancellationToken;
 
@@ -171,13 +172,18 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
     if let Some(reload) = &config.serving_reload {
         // Compared with what the certificate was built from, not with a later read: a renewal
         // written while the database connected is picked up at the first tick.
-        tokio::spawn(serving_cert.clone().reload_from_files(
-            reload.cert_file.clone(),
-            reload.key_file.clone(),
-            (serving.cert_pem.clone(), serving.key_pem.clone()),
-            reload.interval,
-            shutdown.clone(),
-        ));
+        tokio::spawn(
+            serving_cert
+                .clone()
+                .reload_from_files(
+                    reload.cert_file.clone(),
+                    reload.key_file.clone(),
+                    (serving.cert_pem.clone(), serving.key_pem.clone()),
+                    reload.interval,
+                    shutdown.clone(),
+                )
+                .instrument(tracing::info_span!("serving_cert_reload")),
+        );
     }
     let task = tokio::spawn(server::serve(
         listener,

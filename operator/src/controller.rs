@@ -524,6 +524,11 @@ fn describe_target(api: &APIService) -> String {
 
 /// Reconciles one ReportsServer (wrapped in the finalizer).
 pub async fn reconcile(rs: Arc<ReportsServer>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let span = tracing::info_span!("reconcile", namespace = rs.namespace().unwrap_or_default(), name = %rs.name_any());
+    reconcile_in(rs, ctx).instrument(span).await
+}
+
+async fn reconcile_in(rs: Arc<ReportsServer>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     let ns = rs
         .namespace()
@@ -1255,7 +1260,6 @@ fn owner_of(api: APIService) -> Option<ObjectRef<ReportsServer>> {
     Some(ObjectRef::new(name).within(ns))
 }
 
-/// Runs the controller until a shutdown signal.
 /// Runs the controller until `stop` fires (shutdown, or the end of this replica's term as
 /// leader), letting running reconciles finish.
 pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {

@@ -49,6 +49,7 @@ pub use reports_server_aggregator::cluster::lease::LeaseConfig;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use tracing::Instrument;
 
 use reports_server_aggregator::cluster::lease;
 use tokio_util::sync::CancellationToken;
@@ -82,7 +83,9 @@ pub async fn operate(
 ) -> Result<(), RunError> {
     let metrics = http::Metrics::new();
     let addr = options.metrics_address;
-    let listener = tokio::spawn(http::serve(addr, metrics.clone()));
+    let listener = tokio::spawn(
+        http::serve(addr, metrics.clone()).instrument(tracing::info_span!("metrics_endpoint")),
+    );
     metrics.set_ready();
     let ctx = Arc::new(Context::new(
         client.clone(),

@@ -1,7 +1,7 @@
 //! A real node for the end-to-end tests: containerd + runc (Debian packages) and a Go-built
 //! kubelet and kube-scheduler (v1.36.3, `tests/node/build.sh`), next to the Go-built control
 //! plane, so Deployments and StatefulSets really run, roll and restart. See `docs/e2e.md`
-//! ("A real node") and `../shared/reference/containers-recipe.md` for the environment facts.
+//! ("A real node") for the environment facts.
 //!
 //! # Isolation
 //!

@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tracing::Instrument;
 
 use futures::StreamExt;
 use kube::Client;
@@ -290,7 +291,11 @@ impl PolicyWatcher {
                 let token = cancel.child_token();
                 state.watchers.insert(kind, token.clone());
                 state.kinds.insert(kind, KindState::Pending);
-                tokio::spawn(self.clone().watch_kind(client.clone(), kind, ar, token));
+                tokio::spawn(
+                    self.clone()
+                        .watch_kind(client.clone(), kind, ar, token)
+                        .instrument(tracing::info_span!("policy_kind_watch", kind = kind.kind)),
+                );
             }
             (None, true) => {
                 tracing::info!(

@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 use futures::StreamExt;
 use kube::Client;
@@ -128,16 +129,20 @@ impl ClusterAggregator {
             .map_err(|source| ClusterError::MetricsBind { address, source })?;
         let registry = self.registry.clone();
         let cancel = cancel.clone();
-        tokio::spawn(async move {
-            if let Err(e) = http::serve(listener, registry, cancel).await {
-                tracing::error!(error = %e, "metrics endpoint failed");
+        tokio::spawn(
+            async move {
+                if let Err(e) = http::serve(listener, registry, cancel).await {
+                    tracing::error!(error = %e, "metrics endpoint failed");
+                }
             }
-        });
+            .instrument(tracing::info_span!("metrics_endpoint")),
+        );
         Ok(Some(bound))
     }
 
     /// Runs until `cancel` fires: checks the cluster, serves metrics, and aggregates whenever
     /// this process holds the Lease.
+    #[tracing::instrument(name = "aggregation", skip_all)]
     pub async fn run(self, cancel: CancellationToken) -> Result<(), ClusterError> {
         self.check_resources().await?;
         if let Some(address) = self.serve_metrics(&cancel).await? {
@@ -161,11 +166,12 @@ impl ClusterAggregator {
     async fn lead(&self, term: CancellationToken) {
         let policies = if self.config.watch_policies {
             let watcher = PolicyWatcher::new(self.cluster_metrics.clone());
-            tokio::spawn(watcher.clone().run(
-                self.client.clone(),
-                term.clone(),
-                DEFAULT_REDISCOVERY,
-            ));
+            tokio::spawn(
+                watcher
+                    .clone()
+                    .run(self.client.clone(), term.clone(), DEFAULT_REDISCOVERY)
+                    .instrument(tracing::info_span!("policy_watcher")),
+            );
             if !watcher.wait_synced(self.config.policy_sync_timeout).await {
                 tracing::warn!(pending = ?watcher.pending_kinds(), "policies not listed in time; aggregating with those kinds unknown (none of their results dropped)");
             }

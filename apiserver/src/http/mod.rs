@@ -669,8 +669,3 @@ async fn read_body(
         }
     })
 }
-
-/// Serializes a value for logs and tests.
-pub fn to_json(v: &Value) -> String {
-    v.to_string()
-}

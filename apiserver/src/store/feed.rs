@@ -10,6 +10,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
+use tracing::Instrument;
 
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -379,7 +380,9 @@ impl ChangeFeed {
             spawn_pg_listener(store.clone(), self.clone());
         }
         let feed = self.clone();
-        tokio::spawn(async move { feed.run(store).await });
+        tokio::spawn(
+            async move { feed.run(store).await }.instrument(tracing::info_span!("change_feed")),
+        );
         Ok(())
     }
 
@@ -403,7 +406,11 @@ impl ChangeFeed {
                 && store.health().is_up()
             {
                 last_compaction = tokio::time::Instant::now();
-                if let Err(e) = store.compact().await {
+                if let Err(e) = store
+                    .compact()
+                    .instrument(tracing::info_span!("compaction"))
+                    .await
+                {
                     tracing::warn!(error = %e, "change-log compaction failed");
                 }
             }
@@ -514,6 +521,7 @@ pub async fn read_changes(
 }
 
 fn spawn_pg_listener(store: Store, feed: ChangeFeed) {
+    let span = tracing::info_span!("pg_listener");
     tokio::spawn(async move {
         loop {
             // A LISTEN connection opened to a database that then went away or turned read-only
@@ -550,7 +558,8 @@ fn spawn_pg_listener(store: Store, feed: ChangeFeed) {
             }
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
-    });
+    }
+    .instrument(span));
 }
 
 #[cfg(test)]

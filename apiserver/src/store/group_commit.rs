@@ -38,7 +38,7 @@ use tracing::Instrument;
 use super::columns::{RuleKey, result_rules};
 use super::feed::{Change, EventType};
 use super::mutate::Seen;
-use super::rules::RoundRules;
+use super::policy_rules::RoundRules;
 use super::schema::Objects;
 use super::write::{
     Applied, Current, Decided, Mutation, StagedWrites, Target, WriteOutcome, lock_counter,

@@ -22,10 +22,10 @@ pub mod health;
 pub mod lease;
 pub mod migration;
 mod mutate;
+mod policy_rules;
 mod prepared;
 mod read;
 pub mod ring;
-mod rules;
 pub mod schema;
 mod write;
 
@@ -287,7 +287,7 @@ pub struct Store {
     /// Writers waiting for the next group commit round (see `group_commit`).
     commit_queue: Arc<group_commit::CommitQueue>,
     /// Ids of the `policy_rules` rows this process has seen committed.
-    rule_cache: Arc<rules::RuleCache>,
+    rule_cache: Arc<policy_rules::RuleCache>,
     feed: ChangeFeed,
     health: health::DatabaseHealth,
 }
@@ -579,18 +579,21 @@ impl Writer {
     }
 
     /// Closes the connection after a transaction failed with `cause`; the next write opens a new
-    /// one. A read-only refusal (the primary was demoted) also tells the health circuit, which
-    /// makes every other pooled connection opened until now stale.
+    /// one. After a read-only refusal (the primary may have been demoted) every other pooled
+    /// connection opened until now is stale too; the probe tells whether it was a standby.
     pub(crate) fn discard(&mut self, cause: &StoreError) {
         if let StoreError::Refused {
             refusal: Refusal::ReadOnly,
             ..
         } = cause
         {
-            self.health.read_only(&cause.to_string());
+            self.health.connections_stale();
         }
         if let Some(db) = self.db.take() {
-            tokio::spawn(async move { db.close().await.ok() });
+            tokio::spawn(
+                async move { db.close().await.ok() }
+                    .instrument(tracing::debug_span!("close_writer_connection")),
+            );
         }
     }
 }

@@ -24,8 +24,8 @@ use serde_json::Value;
 use super::columns::{ObjectColumns, ResultRow};
 use super::feed::{EventType, NOTIFY_CHANNEL};
 use super::mutate::current_rv;
+use super::policy_rules::RoundRules;
 use super::prepared::{Prepared, RowParts};
-use super::rules::RoundRules;
 use super::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
 use super::{Store, StoreError};
 

@@ -30,6 +30,7 @@ pub mod worker;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 use futures::{StreamExt, TryStreamExt};
 use kube::core::WatchEvent;
@@ -329,15 +330,19 @@ pub async fn to_database(
         let ledger = Arc::new(Mutex::new(Ledger::default()));
         let list_rv = copy_kind(cluster, registry, r, options, progress, &ledger).await?;
         copied_total += ledger.lock().expect("ledger lock").len() as u64;
-        mirrors.push(tokio::spawn(mirror(
-            cluster.clone(),
-            registry.clone(),
-            r,
-            list_rv,
-            ledger.clone(),
-            progress.clone(),
-            options.page_size,
-        )));
+        let span = tracing::info_span!("mirror", kind = r.kind);
+        mirrors.push(tokio::spawn(
+            mirror(
+                cluster.clone(),
+                registry.clone(),
+                r,
+                list_rv,
+                ledger.clone(),
+                progress.clone(),
+                options.page_size,
+            )
+            .instrument(span),
+        ));
         ledgers.insert(r.kind, ledger);
     }
     report.copy_seconds = copy_started.elapsed().as_secs_f64();

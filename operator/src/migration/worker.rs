@@ -124,6 +124,7 @@ impl Worker {
 
     /// Runs until `cancel`: every replica keeps [`Worker::settled`] current, the lease holder
     /// moves data.
+    #[tracing::instrument(name = "migration_worker", skip_all)]
     pub async fn run(self, cancel: CancellationToken) {
         let lease = StoreLease::new(
             self.registry.store().clone(),
