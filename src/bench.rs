@@ -402,6 +402,10 @@ async fn ensure_namespaces(client: &kube::Client, names: &[String]) -> anyhow::R
     Ok(())
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "development-only load generator; to split (issue 34)"
+)]
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let phases = selected(&args)?;
     let dir = tempfile::tempdir()?;
@@ -964,6 +968,10 @@ fn latency_report(namespace: &str, n: u64, full: bool) -> PolicyReport {
     r
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "development-only load generator; to split (issue 34)"
+)]
 async fn watch_latency(
     args: &BenchArgs,
     client: &kube::Client,

@@ -194,6 +194,10 @@ fn args_without_layout() -> Vec<std::ffi::OsString> {
     kept
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "development-only load generator; to split (issue 34)"
+)]
 async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<Figures> {
     let dir = tempfile::tempdir()?;
     let (server, client) = start_server(dir.path(), args.database_url.as_deref(), None).await?;

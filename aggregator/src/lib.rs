@@ -22,6 +22,9 @@
 //! * `cluster` (feature `kube`): the backend over the Kubernetes API, with a Lease, policy
 //!   watches and adoption of admission reports.
 
+// Every production function fits on a screen (threshold in clippy.toml); tests may be longer.
+#![warn(clippy::too_many_lines)]
+#![cfg_attr(test, allow(clippy::too_many_lines))]
 #![forbid(unsafe_code)]
 
 pub mod aggregator;

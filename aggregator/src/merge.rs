@@ -560,6 +560,10 @@ struct Desired {
     policy_label: Option<(String, String)>,
 }
 
+#[allow(
+    clippy::too_many_lines,
+    reason = "the pure merge, one pass in Kyverno's order, kept whole on purpose (issue 34 exempts it)"
+)]
 fn merge_impl(input: &MergeInput<'_>, options: &MergeOptions, paged: bool) -> Plan {
     let ns = input.namespace;
     let output_kind = options.output.kind_for(ns);

@@ -13,6 +13,9 @@
 //!
 //! `docs/architecture.md` has the picture and the path of a request and of a watch event.
 
+// Every production function fits on a screen (threshold in clippy.toml); tests may be longer.
+#![warn(clippy::too_many_lines)]
+#![cfg_attr(test, allow(clippy::too_many_lines))]
 #![forbid(unsafe_code)]
 
 pub mod auth;

@@ -21,6 +21,10 @@
 //! restart or rollout (it only changes them when the spec changes or the ReportsServer is
 //! deleted), set `insecureSkipTLSVerify`, or rely on Helm hooks.
 
+// Every production function fits on a screen (threshold in clippy.toml); tests may be longer.
+#![warn(clippy::too_many_lines)]
+#![cfg_attr(test, allow(clippy::too_many_lines))]
+
 pub mod controller;
 pub mod database_check;
 pub mod desired;
