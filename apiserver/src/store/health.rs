@@ -43,7 +43,7 @@ pub struct Outage {
     pub down_for: Duration,
     /// The last failure, for the log (it may name hosts: not for anonymous callers).
     pub cause: String,
-    /// The database answers but refuses writes: a standby, or a failover under way.
+    /// The database answers, but as a standby (read-only): a failover or switchover under way.
     pub read_only: bool,
 }
 
@@ -58,8 +58,8 @@ struct Inner {
     up: watch::Sender<bool>,
     /// Set once migrations ran and the change feed started: the store can serve.
     ready: AtomicBool,
-    /// Since when the circuit is open, why, and whether the database answered read-only
-    /// (`None` before the first failure and while up).
+    /// Since when the circuit is open, why, and whether the database is a standby (`None`
+    /// before the first failure and while up).
     down: Mutex<Option<(Instant, String, bool)>>,
     gauge: Gauge,
     outages: Counter,
@@ -230,7 +230,8 @@ impl DatabaseHealth {
     }
 
     /// Whether a pooled connection opened `age` ago may be handed out again: `false` once a
-    /// read-only answer was seen after it was opened (see [`DatabaseHealth::read_only`]).
+    /// standby answer or a read-only refusal came after it was opened (see
+    /// [`DatabaseHealth::connections_stale`]).
     pub fn keeps_connection(&self, age: Duration) -> bool {
         let stale_before = self.inner.stale_before.load(Ordering::SeqCst);
         if stale_before == 0 {
