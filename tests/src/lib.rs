@@ -5,6 +5,7 @@
 
 pub mod controlplane;
 pub mod delegated;
+pub mod findings;
 pub mod kubectl;
 pub mod kyverno;
 pub mod kyverno_fixtures;

@@ -1,11 +1,15 @@
 //! Helpers of the operator's end-to-end tests (`e2e_operator`, `e2e_operator_node`): the
 //! repository's manifests as files and documents, and the ReportsServer they install.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow};
 use serde::Deserialize as _;
 use serde_json::Value;
 
-use crate::{controlplane::workspace_root, kubectl::Kubectl};
+use crate::{
+    controlplane::workspace_root,
+    kubectl::Kubectl,
+    node::{Node, REPORTS_SERVER_IMAGE},
+};
 
 /// The namespace `manifests/install.yaml` and the examples use.
 pub const NS: &str = "reports-server";
@@ -24,6 +28,25 @@ pub fn yaml_docs(text: &str) -> Result<Vec<Value>> {
         .into_iter()
         .filter(|d| !d.is_null())
         .collect())
+}
+
+/// Installs the operator on the node as a user does (`kubectl apply --server-side -f
+/// manifests/install.yaml`), with the locally built image tagged as the reference install.yaml
+/// names; returns that reference. Does not wait for the Deployment.
+pub fn install_on_node(node: &Node, kubectl: &Kubectl) -> Result<String> {
+    let install = manifest("install.yaml")?;
+    let image = yaml_docs(&install)?
+        .into_iter()
+        .find(|d| d["kind"] == "Deployment")
+        .and_then(|d| {
+            d["spec"]["template"]["spec"]["containers"][0]["image"]
+                .as_str()
+                .map(String::from)
+        })
+        .ok_or_else(|| anyhow!("install.yaml has no operator Deployment with an image"))?;
+    node.tag_image(REPORTS_SERVER_IMAGE, &image)?;
+    kubectl.run_with_stdin(&["apply", "--server-side", "-f", "-"], Some(&install))?;
+    Ok(image)
 }
 
 /// The ReportsServer `reports-server` of [`NS`] as JSON.

@@ -17,6 +17,7 @@ use futures::StreamExt;
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 use reports_server_crds::PolicyReport;
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
+use reports_server_tests::findings::Findings;
 use reports_server_tests::postgres::OwnedPostgres;
 use reports_server_tests::server::ServerProcess;
 use serde_json::{Value, json};
@@ -199,44 +200,6 @@ fn database_up(call: &Call) -> Option<f64> {
             .then(|| fields.next()?.parse().ok())
             .flatten()
     })
-}
-
-/// Broken rules, each with a count and its first example. An outage test is a run of phases
-/// whose figures are all worth seeing, so a broken rule is recorded (and printed) and the test
-/// fails at its end with all of them rather than at the first.
-#[derive(Default)]
-struct Findings(Mutex<BTreeMap<&'static str, (usize, String)>>);
-
-impl Findings {
-    fn check(&self, ok: bool, rule: &'static str, example: impl FnOnce() -> String) {
-        if !ok {
-            self.fail(rule, example());
-        }
-    }
-
-    fn fail(&self, rule: &'static str, example: String) {
-        let mut broken = self.0.lock().unwrap();
-        let entry = broken.entry(rule).or_insert_with(|| {
-            eprintln!("[degrade] FAILED {rule}: {example}");
-            (0, example)
-        });
-        entry.0 += 1;
-    }
-
-    fn assert_none(&self, server: &ServerProcess) {
-        let broken = self.0.lock().unwrap();
-        let list: Vec<String> = broken
-            .iter()
-            .map(|(rule, (n, example))| format!("- {rule} ({n}×), e.g. {example}"))
-            .collect();
-        assert!(
-            list.is_empty(),
-            "{} rule(s) broken:\n{}\nserver log:\n{}",
-            list.len(),
-            list.join("\n"),
-            server.log_tail()
-        );
-    }
 }
 
 /// "count n, median m, max x" of some latencies.
@@ -837,29 +800,6 @@ async fn check_watch(
     tasks
 }
 
-/// The process is the one started, and alive: the outage did not restart or kill it.
-fn check_same_process(server: &ServerProcess, pid: u32, findings: &Findings) {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // "pid (comm) STATE …": a zombie has exited.
-    let state = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .trim_start()
-        .chars()
-        .next();
-    findings.check(
-        server.pid() == Some(pid) && state.is_some_and(|s| s != 'Z'),
-        "the server process lives through the outage",
-        || {
-            format!(
-                "expected process {pid} running, saw pid {:?} in state {state:?}",
-                server.pid()
-            )
-        },
-    );
-}
-
 /// How the database is taken away.
 #[derive(Clone, Copy, Debug)]
 enum Outage {
@@ -909,7 +849,7 @@ async fn outage_loses_nothing(outage: Outage) {
     let pid = server.pid().expect("the server runs");
     // kube-rs retries 429/503/504 by default: every answer judged here must be the server's own.
     let client = server.client_without_retries().await.unwrap();
-    let findings = Findings::default();
+    let findings = Findings::new("[degrade]");
     let kept = with_database_up(&client, &findings).await;
 
     let api: Api<PolicyReport> = Api::namespaced(client.clone(), NS);
@@ -990,7 +930,7 @@ async fn outage_loses_nothing(outage: Outage) {
     let resumed = check_watch(&api, &watched, &from, &acked_after, &findings).await;
     first_watch.abort();
     resumed.iter().for_each(|t| t.abort());
-    check_same_process(&server, pid, &findings);
+    findings.check_same_process(&server, pid, "the outage");
     findings.assert_none(&server);
 }
 

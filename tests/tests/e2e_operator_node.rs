@@ -41,8 +41,8 @@ use reports_server_tests::{
     delegated::{API_SERVICES, raw},
     kube_client_with_retries,
     kubectl::Kubectl,
-    node::{self, ApiPoller, Node, POSTGRES_IMAGE, REPORTS_SERVER_IMAGE, RunDir},
-    operator::{NS, condition, manifest, rs_json, yaml_docs},
+    node::{self, ApiPoller, Node, POSTGRES_IMAGE, RunDir},
+    operator::{self, NS, condition, manifest, rs_json, yaml_docs},
 };
 use serde_json::{Value, json};
 
@@ -108,20 +108,9 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
 
     // ---- 1. install ---------------------------------------------------------------------------
     let t = Instant::now();
-    let install = manifest("install.yaml")?;
-    let operator_image = yaml_docs(&install)?
-        .into_iter()
-        .find(|d| d["kind"] == "Deployment")
-        .and_then(|d| {
-            d["spec"]["template"]["spec"]["containers"][0]["image"]
-                .as_str()
-                .map(String::from)
-        })
-        .ok_or_else(|| anyhow!("install.yaml has no operator Deployment with an image"))?;
-    node.tag_image(REPORTS_SERVER_IMAGE, &operator_image)?;
     let postgres_image = reports_server_crds::reportsserver::ManagedPostgresSpec::default().image;
     node.tag_image(POSTGRES_IMAGE, &postgres_image)?;
-    kubectl.run_with_stdin(&["apply", "--server-side", "-f", "-"], Some(&install))?;
+    let operator_image = operator::install_on_node(node, &kubectl)?;
     kubectl.run(&[
         "rollout",
         "status",

@@ -26,14 +26,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use reports_server_tests::{
     delegated::{API_SERVICES, raw_with},
     kube_client_with_retries,
     kubectl::Kubectl,
     kyverno::{Controller, Kyverno, KyvernoOptions},
-    node::{self, ApiPoller, Node, POSTGRES_IMAGE, REPORTS_SERVER_IMAGE, RunDir},
-    operator::{NS, condition, manifest, rs_json, yaml_docs},
+    node::{self, ApiPoller, Node, POSTGRES_IMAGE, RunDir},
+    operator::{self, NS, condition, rs_json},
 };
 use serde_json::{Value, json};
 
@@ -121,18 +121,7 @@ impl<'a> Env<'a> {
     async fn install(node: &'a Node, run: &RunDir) -> Result<Env<'a>> {
         let t = Instant::now();
         let kubectl = Kubectl::new(node.cp().kubeconfig_path());
-        let install = manifest("install.yaml")?;
-        let operator_image = yaml_docs(&install)?
-            .into_iter()
-            .find(|d| d["kind"] == "Deployment")
-            .and_then(|d| {
-                d["spec"]["template"]["spec"]["containers"][0]["image"]
-                    .as_str()
-                    .map(String::from)
-            })
-            .ok_or_else(|| anyhow!("install.yaml has no operator Deployment with an image"))?;
-        node.tag_image(REPORTS_SERVER_IMAGE, &operator_image)?;
-        kubectl.run_with_stdin(&["apply", "--server-side", "-f", "-"], Some(&install))?;
+        operator::install_on_node(node, &kubectl)?;
         postgres(&kubectl, run)?;
         kubectl.run_with_stdin(&["apply", "-f", "-"], Some(&installation()))?;
         wait_ready(&kubectl).await?;

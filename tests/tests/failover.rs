@@ -24,6 +24,7 @@ use futures::StreamExt;
 use kube::api::{Api, ListParams, PostParams, WatchEvent, WatchParams};
 use reports_server_crds::PolicyReport;
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
+use reports_server_tests::findings::Findings;
 use reports_server_tests::patroni::PatroniCluster;
 use reports_server_tests::server::ServerProcess;
 
@@ -103,7 +104,7 @@ async fn under_load(disruption: Disruption) {
     let rate = writes_per_second();
     let load = Load::start(api.clone(), rate);
     tokio::time::sleep(BEFORE).await;
-    let findings = Findings::default();
+    let findings = Findings::new("[failover]");
     findings.check(
         load.acknowledged() > 0,
         "writes succeed before the disruption",
@@ -155,7 +156,7 @@ async fn under_load(disruption: Disruption) {
     let caught_up = watchers.catch_up(&stored).await;
     check_watchers(&watchers, &offered.writes, &stored, &findings, caught_up);
     watchers.stop();
-    check_same_process(&server, pid, &findings);
+    check_server(&server, pid, &findings);
     if !findings.is_empty() {
         eprintln!("{}", cluster.logs());
     }
@@ -823,52 +824,8 @@ fn check_watchers(
 
 // ---- the rules ---------------------------------------------------------------------------------
 
-/// Broken rules, each with a count and its first example: the test runs to its end and fails
-/// with all of them, so one run shows every figure.
-#[derive(Default)]
-struct Findings(Mutex<BTreeMap<&'static str, (usize, String)>>);
-
-impl Findings {
-    fn check(&self, ok: bool, rule: &'static str, example: impl FnOnce() -> String) {
-        if !ok {
-            self.fail(rule, example());
-        }
-    }
-
-    fn fail(&self, rule: &'static str, example: String) {
-        let mut broken = self.0.lock().unwrap();
-        broken
-            .entry(rule)
-            .or_insert_with(|| {
-                eprintln!("[failover] FAILED {rule}: {example}");
-                (0, example)
-            })
-            .0 += 1;
-    }
-
-    fn is_empty(&self) -> bool {
-        self.0.lock().unwrap().is_empty()
-    }
-
-    fn assert_none(&self, server: &ServerProcess) {
-        let broken = self.0.lock().unwrap();
-        let list: Vec<String> = broken
-            .iter()
-            .map(|(rule, (n, example))| format!("- {rule} ({n}×), e.g. {example}"))
-            .collect();
-        assert!(
-            list.is_empty(),
-            "{} rule(s) broken:\n{}\nserver log:\n{}",
-            list.len(),
-            list.join("\n"),
-            server.log_tail()
-        );
-    }
-}
-
-/// The server is the process started, alive and not a zombie, and never panicked; prints its
-/// outage transitions.
-fn check_same_process(server: &ServerProcess, pid: u32, findings: &Findings) {
+/// The server never panicked and is the process started, alive; prints its outage transitions.
+fn check_server(server: &ServerProcess, pid: u32, findings: &Findings) {
     let log = std::fs::read_to_string(server.log_path()).unwrap_or_default();
     for line in log.lines().filter(|l| {
         l.contains("the database stopped answering") || l.contains("the database answers again")
@@ -882,22 +839,5 @@ fn check_same_process(server: &ServerProcess, pid: u32, findings: &Findings) {
     findings.check(panicked.is_none(), "the server never panics", || {
         panicked.unwrap_or_default().to_owned()
     });
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let state = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .trim_start()
-        .chars()
-        .next();
-    findings.check(
-        server.pid() == Some(pid) && state.is_some_and(|s| s != 'Z'),
-        "the server process lives through the failover",
-        || {
-            format!(
-                "expected process {pid} running, saw pid {:?} in state {state:?}",
-                server.pid()
-            )
-        },
-    );
+    findings.check_same_process(server, pid, "the failover");
 }
