@@ -19,7 +19,6 @@ use reports_server_aggregator::aggregator::DEFAULT_PAGE_SIZE;
 use reports_server_aggregator::cluster::ClusterMetrics;
 use reports_server_aggregator::cluster::adoption::AdoptionConfig;
 use reports_server_aggregator::cluster::backend::KubeBackendConfig;
-use reports_server_aggregator::cluster::lease::{self, LeaseConfig};
 use reports_server_aggregator::cluster::{ClusterAggregator, ClusterConfig};
 use reports_server_aggregator::merge::DEFAULT_CHUNK_SIZE;
 use reports_server_aggregator::queue::DEFAULT_WORKERS;
@@ -29,6 +28,7 @@ use reports_server_aggregator::{
 };
 use reports_server_apiserver::report_merge::{ClusterAccess, run_in_process};
 use reports_server_apiserver::startup::RunningServer;
+use reports_server_election::kube_lease::{self as lease, LeaseConfig};
 
 /// `--aggregation-layout` / `--layout` values.
 pub(crate) fn layout_parser() -> impl TypedValueParser<Value = Layout> {

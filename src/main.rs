@@ -464,7 +464,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// Runs the migration worker once the store started: a server started while its database was
 /// down migrates once the database answers.
 fn spawn_migration(
-    worker: reports_server_operator::migration::worker::Worker,
+    worker: reports_server_migration::worker::Worker,
     server: &startup::RunningServer,
 ) -> tokio::task::JoinHandle<()> {
     let (health, stop) = (server.store.health().clone(), server.shutdown_token());

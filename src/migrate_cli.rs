@@ -10,8 +10,8 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use reports_server_apiserver::registry::Registry;
 use reports_server_apiserver::store::{Store, downgrade_schema};
-use reports_server_operator::migration::{
-    self, MigrationReport, Progress, ToCrdsOptions, ToDatabaseOptions,
+use reports_server_migration::{
+    self as migration, MigrationReport, Progress, ToCrdsOptions, ToDatabaseOptions,
     cluster::Cluster,
     plan::ServiceTarget,
     worker::{Worker, WorkerOptions},

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tracing::Instrument;
 
 use clap::Args;
-use reports_server_aggregator::cluster::lease;
+use reports_server_election::kube_lease as lease;
 use reports_server_operator::{LeaseConfig, OperatorConfig, RunOptions};
 use tokio_util::sync::CancellationToken;
 

@@ -13,14 +13,13 @@
 //! * [`results`]: result identity, ordering and `omitempty` normalisation;
 //! * [`queue`]: the delayed per-namespace work queue; [`sweep`]: enqueue every namespace a
 //!   backend names, retried until it worked;
-//! * [`election`]: one active aggregator at a time, over any [`election::LeaseStore`] (a
-//!   Kubernetes Lease, a SQL row);
 //! * [`backend`]: the storage trait the workers call; [`memory`]: an in-memory implementation;
 //! * [`aggregator`]: queue + backend + merge;
 //! * [`offline`]: YAML in, YAML out, for `reports-server aggregate`;
 //! * [`metrics`]: Prometheus metrics;
 //! * `cluster` (feature `kube`): the backend over the Kubernetes API, with a Lease, policy
-//!   watches and adoption of admission reports.
+//!   watches and adoption of admission reports; one active aggregator per cluster through
+//!   `reports_server_election` over a Kubernetes Lease.
 
 // Every production function fits on a screen (threshold in clippy.toml); tests may be longer.
 #![warn(clippy::too_many_lines)]
@@ -31,7 +30,6 @@ pub mod aggregator;
 pub mod backend;
 #[cfg(feature = "kube")]
 pub mod cluster;
-pub mod election;
 pub mod error;
 pub mod memory;
 pub mod merge;

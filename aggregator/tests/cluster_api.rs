@@ -19,11 +19,11 @@ use kube::Client;
 use kube::client::Body;
 use reports_server_aggregator::backend::{AggregationBackend, BackendError};
 use reports_server_aggregator::cluster::backend::{KubeBackend, KubeBackendConfig};
-use reports_server_aggregator::cluster::lease::{self, LeaseConfig};
 use reports_server_aggregator::cluster::runner::enqueue_changed_namespaces;
 use reports_server_aggregator::{
     CancellationToken, FinalReport, ObjectKey, Plan, QueueConfig, ReportKind, WorkQueue,
 };
+use reports_server_election::kube_lease::{self as lease, LeaseConfig};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio::time::Instant;

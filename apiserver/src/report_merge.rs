@@ -50,7 +50,6 @@ use reports_server_aggregator::cluster::policies::{DEFAULT_REDISCOVERY, next_cha
 use reports_server_aggregator::cluster::{
     Adopter, AdoptionConfig, ClusterMetrics, EphemeralReports, PolicyWatcher, Written,
 };
-use reports_server_aggregator::election::Elector;
 use reports_server_aggregator::report::{LABEL_MANAGED_BY, LABEL_RESOURCE_UID, MANAGED_BY_VALUE};
 use reports_server_aggregator::sweep::sweep_namespaces;
 use reports_server_aggregator::{
@@ -58,6 +57,7 @@ use reports_server_aggregator::{
     FinalReport, InputPage, Metrics, ObjectKey, PageRequest, Plan, PolicySet, ReportKind,
 };
 use reports_server_crds::{ResourceDescriptor, catalog};
+use reports_server_election::Elector;
 use sea_orm::{
     AccessMode, ConnectionTrait, DbBackend, IsolationLevel, Statement, TransactionTrait,
 };
@@ -748,8 +748,8 @@ pub struct ClusterAccess {
 
 /// Timing of the database lease that makes one aggregator active per database: the same
 /// election rules and defaults as the Kubernetes Lease of `reports-server aggregate`
-/// (`reports_server_aggregator::election`).
-pub use reports_server_aggregator::election::ElectionTiming as LeaseConfig;
+/// (`reports_server_election`).
+pub use reports_server_election::ElectionTiming as LeaseConfig;
 
 /// The in-process aggregator of `reports-server serve`: leader election on the database
 /// lease, event wiring from the change feed, and the aggregator's workers over a

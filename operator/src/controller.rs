@@ -40,10 +40,10 @@ use tracing::Instrument;
 use crate::database_check::{self, Observation};
 use crate::desired::{self, Database, Inputs, Tls};
 use crate::http::Metrics;
-use crate::migration::mailbox::Report;
 use crate::status::{self, Outcome};
 use crate::{FIELD_MANAGER, FINALIZER, MANAGED_BY, OWNER_ANNOTATION, tls};
 use reports_server_crds::catalog::GROUP_VERSIONS;
+use reports_server_migration::mailbox::Report;
 
 /// Errors of one reconcile; all are retried by [`error_policy`] with backoff.
 #[derive(Debug, thiserror::Error)]

@@ -12,10 +12,14 @@
 //!   mocked API server.
 //! * Two operator replicas never fight: [`operate`] runs the controller only while holding a
 //!   `coordination.k8s.io` Lease, through the election loop the cluster aggregator uses
-//!   (`reports_server_aggregator::election`); [`http`] serves `/metrics`, `/healthz` and
+//!   (`reports_server_election`); [`http`] serves `/metrics`, `/healthz` and
 //!   `/readyz`.
 //! * [`manifests`] renders the operator's own install objects (CRD, RBAC, Deployment), from the
 //!   same constants the controller uses, so the RBAC is exactly what the code calls.
+//!
+//! The migration engine the operator drives through a ConfigMap runs in the server, which has
+//! the database: it is the `reports_server_migration` crate; the operator uses only its
+//! mailbox (the ConfigMap's keys) and its phases.
 //!
 //! What the operator never does (the peer's install failures): flip APIServices on a pod
 //! restart or rollout (it only changes them when the spec changes or the ReportsServer is
@@ -30,7 +34,6 @@ pub mod database_check;
 pub mod desired;
 pub mod http;
 pub mod manifests;
-pub mod migration;
 pub mod status;
 pub mod tls;
 
@@ -49,13 +52,13 @@ pub const DEFAULT_IMAGE: &str = concat!("reports-server:", env!("CARGO_PKG_VERSI
 
 pub use controller::{Context, Error, OperatorConfig, run};
 /// The leader Lease settings (shared with the cluster aggregator: one election protocol).
-pub use reports_server_aggregator::cluster::lease::LeaseConfig;
+pub use reports_server_election::kube_lease::LeaseConfig;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tracing::Instrument;
 
-use reports_server_aggregator::cluster::lease;
+use reports_server_election::kube_lease as lease;
 use tokio_util::sync::CancellationToken;
 
 /// How [`operate`] runs.
@@ -77,7 +80,7 @@ pub enum RunError {
 
 /// Serves metrics and health and runs the controller until `shutdown` fires. With a Lease,
 /// the controller runs only while this replica holds it (the election loop the cluster
-/// aggregator uses: `aggregator/src/election.rs`): a replica that cannot renew in time stops
+/// aggregator uses: `election/src/lib.rs`): a replica that cannot renew in time stops
 /// reconciling before its Lease can expire and becomes a standby again; on shutdown the Lease
 /// is released so a standby takes over at once.
 pub async fn operate(

@@ -16,8 +16,8 @@ use reports_server_crds::reportsserver::{
 };
 
 use crate::database_check::Observation;
-use crate::migration::Phase;
-use crate::migration::mailbox::Report;
+use reports_server_migration::Phase;
+use reports_server_migration::mailbox::Report;
 
 /// What one reconcile concluded.
 #[derive(Clone, Debug, PartialEq, Eq)]

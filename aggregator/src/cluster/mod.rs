@@ -11,8 +11,6 @@
 //!   a pure decision function and its I/O;
 //! * [`policies`]: the live [`PolicySet`](crate::PolicySet), from watches on every policy kind
 //!   the cluster serves;
-//! * [`lease`]: one active aggregator per cluster, a `coordination.k8s.io/v1` Lease as the
-//!   store of the election loop both backends share ([`crate::election`]);
 //! * [`runner`]: everything together — watches that enqueue namespaces, the workers, the
 //!   metrics endpoint.
 //!
@@ -54,7 +52,6 @@ pub mod adoption;
 pub mod backend;
 pub mod discovery;
 pub mod http;
-pub mod lease;
 pub mod metrics;
 pub mod policies;
 pub mod resources;
@@ -64,9 +61,9 @@ pub use adoption::{
     Adopter, AdoptionConfig, ApiEphemeralReports, Decision, EphemeralReports, Lookup, Written,
 };
 pub use backend::KubeBackend;
-pub use lease::LeaseConfig;
 pub use metrics::ClusterMetrics;
 pub use policies::PolicyWatcher;
+pub use reports_server_election::kube_lease::LeaseConfig;
 pub use runner::{ClusterAggregator, ClusterConfig};
 
 /// Failures of the cluster aggregator that are not retried in place.

@@ -19,7 +19,6 @@ use tokio_util::sync::CancellationToken;
 use super::adoption::{Adopter, AdoptionConfig, ApiEphemeralReports};
 use super::backend::{KubeBackend, KubeBackendConfig};
 use super::discovery::{DEFAULT_TTL, DiscoveryCache, Target};
-use super::lease::{self, LeaseConfig};
 use super::metrics::ClusterMetrics;
 use super::policies::{DEFAULT_REDISCOVERY, PolicyWatcher, next_change};
 use super::resources::{api_resource, list_metadata_all};
@@ -29,6 +28,7 @@ use crate::metrics::Metrics;
 use crate::queue::WorkQueue;
 use crate::report::{LABEL_MANAGED_BY, MANAGED_BY_VALUE, ReportKind};
 use crate::sweep::sweep_namespaces;
+use reports_server_election::kube_lease::{self as lease, LeaseConfig};
 
 /// How long a new leader waits for the initial policy lists before aggregating anyway (kinds
 /// still not listed then are unknown: none of their results is dropped).

@@ -9,12 +9,15 @@
 //! * [`operations`]: the orchestration of each verb over the store (the read-decide-write
 //!   transaction, admission before creates, dry runs);
 //! * [`list`]: continue tokens and `resourceVersion`/`resourceVersionMatch` rules of lists;
-//! * [`error`]: [`RegistryError`], the typed outcome every caller matches on.
+//! * [`error`]: [`RegistryError`], the typed outcome every caller matches on;
+//! * [`bulk`]: what background workers need of the whole store (versions, the version floor,
+//!   scans in key order, a lease row).
 //!
-//! Background workers (the in-process Kyverno report merger) write through the same rules, so
+//! Background workers (the in-process Kyverno report merger, the migration engine) write through the same rules, so
 //! their writes are indistinguishable from a client's; they never touch HTTP types. Only
 //! `http::status` turns a [`RegistryError`] into a `v1 Status`.
 
+pub mod bulk;
 pub mod error;
 pub mod fields;
 pub mod list;

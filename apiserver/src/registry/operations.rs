@@ -19,7 +19,7 @@ use reports_server_crds::ResourceDescriptor;
 /// The object rules bound to a store and (behind kube-apiserver) an admission check.
 #[derive(Clone)]
 pub struct Registry {
-    store: Store,
+    pub(super) store: Store,
     admission: Option<Arc<dyn Admission>>,
 }
 
@@ -137,10 +137,6 @@ impl From<StoreError> for ApplyFailure {
 impl Registry {
     pub fn new(store: Store, admission: Option<Arc<dyn Admission>>) -> Self {
         Registry { store, admission }
-    }
-
-    pub fn store(&self) -> &Store {
-        &self.store
     }
 
     pub async fn get(&self, r: &ResourceRef, name: &str) -> Result<Value, RegistryError> {

@@ -17,13 +17,13 @@
 //!   once: handover on a rolling update costs one retry interval, not a lease duration.
 //!
 //! The policy (when to take over, renew, give up, release) is the aggregator's election loop,
-//! shared with the cluster backend's Kubernetes Lease (`reports_server_aggregator::election`);
+//! shared with the cluster backend's Kubernetes Lease (`reports_server_election`);
 //! these are the primitive row operations, and [`StoreLease`] is the one lease row as that
 //! loop's `LeaseStore`.
 
 use std::time::Duration;
 
-use reports_server_aggregator::election::{LeaseSnapshot, LeaseStore};
+use reports_server_election::{LeaseSnapshot, LeaseStore};
 use sea_orm::ConnectionTrait;
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict, Query};
 
@@ -220,7 +220,7 @@ impl LeaseSnapshot for LeaseRecord {
 }
 
 /// The lease row `name` as seen by the process `holder`: the store of the aggregator's
-/// election loop (`reports_server_aggregator::election::Elector`).
+/// election loop (`reports_server_election::Elector`).
 #[derive(Clone)]
 pub struct StoreLease {
     store: Store,

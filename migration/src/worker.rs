@@ -16,10 +16,9 @@
 
 use std::time::Duration;
 
-use reports_server_aggregator::election::{ElectionTiming, Elector};
 use reports_server_apiserver::registry::Registry;
-use reports_server_apiserver::store::lease::StoreLease;
 use reports_server_crds::catalog::GROUP_VERSIONS;
+use reports_server_election::{ElectionTiming, Elector};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -126,11 +125,7 @@ impl Worker {
     /// moves data.
     #[tracing::instrument(name = "migration_worker", skip_all)]
     pub async fn run(self, cancel: CancellationToken) {
-        let lease = StoreLease::new(
-            self.registry.store().clone(),
-            format!("migration/{}", self.registry.store().cluster_id()),
-            self.holder.clone(),
-        );
+        let lease = self.registry.lease("migration", self.holder.clone());
         let elector = Elector::new(lease, self.options.lease);
         tokio::join!(
             self.observe(cancel.clone()),

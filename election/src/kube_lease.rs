@@ -1,5 +1,5 @@
 //! One active aggregator per cluster: a `coordination.k8s.io/v1` Lease as the
-//! [`LeaseStore`] of the shared election loop ([`crate::election`], where the rules are).
+//! [`LeaseStore`] of the shared election loop (the crate root, where the rules are).
 //!
 //! The rules are client-go's leader election, with timings chosen for a fast takeover:
 //!
@@ -29,8 +29,13 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
 
-use super::resources::is_conflict;
-use crate::election::{ElectionTiming, Elector, LeaseSnapshot, LeaseStore};
+use crate::{ElectionTiming, Elector, LeaseSnapshot, LeaseStore};
+
+/// 409 (someone wrote the Lease since we read it) or 409 AlreadyExists (someone created it
+/// first): either way another candidate won this round.
+fn is_conflict(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.is_conflict() || s.is_already_exists())
+}
 
 /// Default Lease name.
 pub const DEFAULT_NAME: &str = "reports-server-aggregator";

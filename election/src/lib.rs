@@ -34,6 +34,18 @@
 //! The decision itself ([`takeable`], [`Observer`]) is pure; [`Elector::run`] is the loop, with
 //! time from `tokio::time`, so every transition is tested with paused time and an in-memory
 //! store (see the tests below).
+//!
+//! Its users: the cluster aggregator and the operator (a Kubernetes Lease, [`kube_lease`], behind
+//! the `kube` feature), and the in-process aggregator and the migration worker (a row of the
+//! database, `reports_server_apiserver::store::lease`). It has its own crate so that none of them
+//! depends on another for it.
+
+#![warn(clippy::too_many_lines)]
+#![cfg_attr(test, allow(clippy::too_many_lines))]
+#![forbid(unsafe_code)]
+
+#[cfg(feature = "kube")]
+pub mod kube_lease;
 
 use std::fmt::Display;
 use std::future::Future;
