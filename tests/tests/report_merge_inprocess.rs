@@ -15,7 +15,7 @@ use reports_server_aggregator::{
     MergeInput, MergeOptions, Metrics, ObjectKey, PageRequest, Plan, QueueConfig, ReportKind,
     merge_page,
 };
-use reports_server_apiserver::report_merge::{InProcessAggregator, StoreBackend};
+use reports_server_apiserver::report_merge::{InProcessMerger, StoreBackend};
 use reports_server_apiserver::store::feed::read_changes;
 use reports_server_apiserver::store::{ListQuery, Mutation, Store, StoreError, StoreOptions};
 use reports_server_crds::catalog::{
@@ -487,7 +487,7 @@ async fn in_process_runner_follows_the_change_feed() {
         let (store, _) = open(backend, dir.path()).await;
         // Written before the runner starts: found by the initial sweep.
         put_ephemeral(&store, &Subject::pod("early", 1), T0, &[]).await;
-        let runner = InProcessAggregator::new(store.clone(), config(50), Metrics::unregistered());
+        let runner = InProcessMerger::new(store.clone(), config(50), Metrics::unregistered());
         let mut leading = runner.leading();
         let cancel = CancellationToken::new();
         let task = tokio::spawn(runner.run(cancel.clone()));
@@ -531,8 +531,8 @@ async fn one_aggregator_per_database_and_takeover() {
         let store_b = Store::connect(StoreOptions::new(url.clone()))
             .await
             .unwrap();
-        let a = InProcessAggregator::new(store_a.clone(), config(50), Metrics::unregistered());
-        let b = InProcessAggregator::new(store_b.clone(), config(50), Metrics::unregistered());
+        let a = InProcessMerger::new(store_a.clone(), config(50), Metrics::unregistered());
+        let b = InProcessMerger::new(store_b.clone(), config(50), Metrics::unregistered());
         let lease_name = a.lease_name().to_owned();
         let holders = [a.holder().to_owned(), b.holder().to_owned()];
         let leading = [a.leading(), b.leading()];
@@ -589,7 +589,7 @@ async fn one_aggregator_per_database_and_takeover() {
         .await;
 
         // A clean shutdown hands the lease over at once.
-        let c = InProcessAggregator::new(store_a.clone(), config(50), Metrics::unregistered());
+        let c = InProcessMerger::new(store_a.clone(), config(50), Metrics::unregistered());
         let c_leading = c.leading();
         let c_cancel = CancellationToken::new();
         tasks.push(tokio::spawn(c.run(c_cancel.clone())));

@@ -20,6 +20,7 @@ pub mod feed;
 mod group_commit;
 pub mod health;
 pub mod lease;
+pub mod merge_input;
 pub mod migration;
 mod mutate;
 mod policy_rules;

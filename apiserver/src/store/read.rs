@@ -442,6 +442,22 @@ impl Store {
         q
     }
 
+    /// A read-only transaction whose reads all see one snapshot (SQLite's transactions always
+    /// do; PostgreSQL and MySQL need REPEATABLE READ for it).
+    pub(super) async fn read_snapshot(&self) -> Result<DatabaseTransaction, StoreError> {
+        Ok(match self.backend() {
+            DbBackend::Postgres | DbBackend::MySql => {
+                self.connection()
+                    .begin_with_config(
+                        Some(IsolationLevel::RepeatableRead),
+                        Some(AccessMode::ReadOnly),
+                    )
+                    .await?
+            }
+            _ => self.connection().begin().await?,
+        })
+    }
+
     /// Lists one page. The page and its resourceVersion come from one read snapshot.
     pub async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
         self.list_stream(query).await?.collect().await
@@ -453,17 +469,7 @@ impl Store {
     /// memory always was), so the connection is back in the pool as soon as the database has
     /// sent the page, however slowly the caller consumes it.
     pub async fn list_stream(&self, query: &ListQuery) -> Result<ListStream, StoreError> {
-        let txn = match self.backend() {
-            DbBackend::Postgres | DbBackend::MySql => {
-                self.connection()
-                    .begin_with_config(
-                        Some(IsolationLevel::RepeatableRead),
-                        Some(AccessMode::ReadOnly),
-                    )
-                    .await?
-            }
-            _ => self.connection().begin().await?,
-        };
+        let txn = self.read_snapshot().await?;
         let (resource_version, compacted) =
             versions(&txn, self.backend(), self.cluster_id()).await?;
         let statement = self.list_statement(query);
