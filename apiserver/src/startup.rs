@@ -143,7 +143,6 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
             let tls = server::tls_config(serving_cert.clone(), client_auth)?;
             let state = AppState {
                 registry: Registry::new(store.clone(), None),
-                store: store.clone(),
                 authenticator: Arc::new(ClientCertAuthenticator),
                 authorizer: Arc::new(AllowAuthenticated),
                 metrics: metrics.clone(),
@@ -159,7 +158,6 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
             let admission: Arc<dyn Admission> = NamespaceLifecycle::start(client.clone()).await;
             let state = AppState {
                 registry: Registry::new(store.clone(), Some(admission)),
-                store: store.clone(),
                 authenticator,
                 authorizer: Arc::new(SarAuthorizer::new(client.clone())),
                 metrics: metrics.clone(),

@@ -47,7 +47,6 @@ use self::status::ApiError;
 use crate::auth::{Attributes, AuthRequest, Authenticator, Authorizer, PeerCertificates, UserInfo};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
-use crate::store::Store;
 
 /// Tunables of the HTTP layer.
 #[derive(Clone, Debug)]
@@ -80,8 +79,6 @@ impl Default for ApiOptions {
 pub struct AppState {
     /// The object rules over the store (with admission when behind kube-apiserver).
     pub registry: Registry,
-    /// Read directly by watches (the change feed) and `/readyz`.
-    pub store: Store,
     pub authenticator: Arc<dyn Authenticator>,
     pub authorizer: Arc<dyn Authorizer>,
     pub metrics: Arc<Metrics>,
@@ -192,7 +189,7 @@ async fn readyz(State(state): State<AppState>, Query(query): Query<ReadyzQuery>)
     if query.verbose.is_none() {
         return "ok".into_response();
     }
-    let database = match state.store.health().outage() {
+    let database = match state.registry.health().outage() {
         None => "[+]database ok (informational)".to_owned(),
         // The cause stays in the log: /readyz answers anyone.
         Some(outage) => format!(
@@ -596,7 +593,7 @@ async fn resource(
     } = request;
     // While the database does not answer, refuse at once rather than after a connection
     // timeout; a request caught in flight when it stops is ended (see `store::health`).
-    let health = state.store.health().clone();
+    let health = state.registry.health().clone();
     if let Some(outage) = health.outage() {
         return ApiError::database_down(&outage).into_response();
     }

@@ -10,8 +10,8 @@ use super::negotiate::{Encoding, Negotiated, Representation, Target, negotiate};
 use super::request::Params;
 use super::status::ApiError;
 use super::table::{self, IncludeObject};
+use crate::registry::list::{ListRow, parse_stored};
 use crate::registry::{ListPageStream, ListResult};
-use crate::store::{ListRow, parse_document_public};
 
 /// The representation and encoding the `Accept` header asks for.
 pub fn accept(headers: &HeaderMap, target: Target) -> Result<Negotiated, ApiError> {
@@ -260,7 +260,7 @@ pub fn list_response(
             let items = page
                 .rows
                 .iter()
-                .map(|r| parse_document_public(&r.name, &r.body).map_err(ApiError::from))
+                .map(|r| parse_stored(&r.name, &r.body).map_err(ApiError::from))
                 .collect::<Result<Vec<_>, _>>()?;
             Ok(encode(
                 StatusCode::OK,
@@ -293,7 +293,7 @@ pub fn list_response(
                 .iter()
                 .map(|r| {
                     let source = if include == IncludeObject::Object {
-                        parse_document_public(&r.name, &r.body)?
+                        parse_stored(&r.name, &r.body)?
                     } else {
                         table_source(resource, r)?
                     };
@@ -339,11 +339,11 @@ mod tests {
     use reports_server_crds::catalog::POLICY_REPORT;
 
     use super::*;
-    use crate::store::{ListRow, ListStream, StoreError};
+    use crate::registry::StoreError;
 
     fn page(names: &[&str], failure: Option<StoreError>) -> ListPageStream {
         let rows = names.iter().map(|name| row(name)).collect();
-        ListPageStream::new(ListStream::scripted(rows, failure), 7, "query".into())
+        ListPageStream::scripted(rows, failure)
     }
 
     /// A row as a list reads it, with both its body and its `metadata` column.

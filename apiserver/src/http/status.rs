@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 
 use crate::fieldmanager::FieldManagerError;
 use crate::registry::{Cause, RegistryError};
-use crate::store::StoreError;
+use crate::registry::{Outage, StoreError};
 
 /// An API error: HTTP code, Kubernetes reason, message and details.
 #[derive(Debug, Clone)]
@@ -143,7 +143,7 @@ impl ApiError {
 
     /// A data request refused because the database does not answer or answers read-only (the
     /// circuit is open, see `store::health`): at once, instead of after a connection timeout.
-    pub fn database_down(outage: &crate::store::health::Outage) -> Self {
+    pub fn database_down(outage: &Outage) -> Self {
         let seconds = outage.down_for.as_secs();
         let message = if outage.read_only {
             format!(

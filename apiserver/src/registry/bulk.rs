@@ -9,7 +9,7 @@
 use futures::FutureExt;
 use reports_server_crds::ResourceDescriptor;
 
-use super::{Registry, RegistryError};
+use super::{DatabaseHealth, Registry, RegistryError};
 use crate::store::ListQuery;
 use crate::store::lease::StoreLease;
 
@@ -28,6 +28,12 @@ const SCAN_PAGE: u64 = 1000;
 // The store's futures are type-erased (`boxed`) here: the migration worker's future would
 // otherwise nest sqlx's futures deeper than the compiler's `Send` check follows.
 impl Registry {
+    /// The database's health as the store's probe sees it (the circuit the HTTP layer
+    /// consults before each data request).
+    pub fn health(&self) -> &DatabaseHealth {
+        self.store.health()
+    }
+
     /// `(current resourceVersion, oldest resourceVersion a watch may resume from)`.
     pub async fn versions(&self) -> Result<(i64, i64), RegistryError> {
         Ok(FutureExt::boxed(self.store.versions()).await?)

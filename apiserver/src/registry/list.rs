@@ -6,9 +6,16 @@
 
 use crate::continuation::{ContinueToken, TokenError, query_fingerprint};
 use crate::selector::{FieldSelector, LabelSelector};
-use crate::store::{ListQuery, ListRow, ListStream, Store};
+use crate::store::{ListQuery, ListStream, Store, StoreError, parse_document_public};
 
 use super::{RegistryError, ResourceRef};
+
+pub use crate::store::ListRow;
+
+/// A stored JSON document (a row's body or `metadata`) as a value; `name` names it in errors.
+pub fn parse_stored(name: &str, text: &str) -> Result<serde_json::Value, StoreError> {
+    parse_document_public(name, text)
+}
 
 /// What a list asks for, parsed and validated by the caller.
 #[derive(Clone, Debug, Default)]
@@ -51,6 +58,12 @@ impl ListPageStream {
 
     pub fn resource_version(&self) -> i64 {
         self.resource_version
+    }
+
+    /// A page of `rows` at resourceVersion 7, ending with `failure` if given.
+    #[cfg(test)]
+    pub(crate) fn scripted(rows: Vec<ListRow>, failure: Option<StoreError>) -> Self {
+        ListPageStream::new(ListStream::scripted(rows, failure), 7, "query".into())
     }
 
     /// The next row; `None` once the page is complete. An error ends the page.

@@ -9,6 +9,7 @@
 //! * [`operations`]: the orchestration of each verb over the store (the read-decide-write
 //!   transaction, admission before creates, dry runs);
 //! * [`list`]: continue tokens and `resourceVersion`/`resourceVersionMatch` rules of lists;
+//! * [`watch`]: the watch state machine over the change log and the change feed;
 //! * [`error`]: [`RegistryError`], the typed outcome every caller matches on;
 //! * [`bulk`]: what background workers need of the whole store (versions, the version floor,
 //!   scans in key order, a lease row).
@@ -24,9 +25,12 @@ pub mod list;
 pub mod operations;
 pub mod patch;
 pub mod rules;
+pub mod watch;
 
 use reports_server_crds::ResourceDescriptor;
 
+pub use crate::store::StoreError;
+pub use crate::store::health::{DatabaseHealth, Outage};
 pub use error::{Cause, RegistryError};
 pub use list::{ListOptions, ListPageStream, ListResult};
 pub use operations::{Imported, Patch, Registry, WriteOptions, Written, same_content};
