@@ -127,3 +127,92 @@ fn the_migration_engine_holds_only_the_registry() {
     );
     assert!(found.is_empty(), "{}", found.join("\n"));
 }
+
+/// The modules of `store/` that `file` names (`super::x`, `crate::store::x`), outside its tests.
+fn store_siblings_used(file: &Path, siblings: &[String]) -> Vec<String> {
+    let text = std::fs::read_to_string(file).expect("readable source");
+    let code: String = text
+        .split("\n#[cfg(test)]\nmod ")
+        .next()
+        .unwrap_or("")
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut used: Vec<String> = siblings
+        .iter()
+        .filter(|s| {
+            [format!("super::{s}::"), format!("super::{s}}}"), format!("crate::store::{s}::")]
+                .iter()
+                .any(|p| code.contains(p.as_str()))
+                || code.contains(&format!("super::{{{s}"))
+        })
+        .cloned()
+        .collect();
+    used.sort();
+    used
+}
+
+/// The modules of `store/` depend on each other without a circle (write ↔ feed, write ↔
+/// mutate and mutate ↔ group_commit once did): each job can be read, and changed, from the
+/// bottom up. `mod.rs`, which declares them and holds `Store`, is the root and not counted.
+#[test]
+fn the_store_modules_form_no_circle() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/store");
+    let siblings: Vec<String> = std::fs::read_dir(&dir)
+        .expect("store/")
+        .filter_map(|e| {
+            let path = e.expect("entry").path();
+            let stem = path.file_stem()?.to_str()?.to_owned();
+            (stem != "mod" && (path.extension().is_some_and(|x| x == "rs") || path.is_dir()))
+                .then_some(stem)
+        })
+        .collect();
+    let mut edges = std::collections::BTreeMap::new();
+    for s in &siblings {
+        let file = [dir.join(format!("{s}.rs")), dir.join(s).join("mod.rs")]
+            .into_iter()
+            .find(|p| p.is_file())
+            .expect("module file");
+        let used: Vec<String> = store_siblings_used(&file, &siblings)
+            .into_iter()
+            .filter(|u| u != s)
+            .collect();
+        edges.insert(s.clone(), used);
+    }
+    // Depth-first search; a module met again while on the path closes a circle.
+    fn visit(
+        m: &str,
+        edges: &std::collections::BTreeMap<String, Vec<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == m) {
+            let mut circle = path[at..].to_vec();
+            circle.push(m.to_owned());
+            return Some(circle);
+        }
+        if done.contains(m) {
+            return None;
+        }
+        path.push(m.to_owned());
+        for next in &edges[m] {
+            if let Some(circle) = visit(next, edges, path, done) {
+                return Some(circle);
+            }
+        }
+        path.pop();
+        done.insert(m.to_owned());
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    for m in edges.keys() {
+        if let Some(circle) = visit(m, &edges, &mut Vec::new(), &mut done) {
+            panic!("store/ modules form a circle: {}", circle.join(" → "));
+        }
+    }
+    assert!(
+        edges.values().any(|used| !used.is_empty()),
+        "no use between store/ modules was found: the scan is broken"
+    );
+}

@@ -19,10 +19,10 @@ use sea_orm::{ConnectionTrait, DbBackend};
 use serde_json::Value;
 use tokio::sync::Notify;
 
+use super::change_log::{BODY_IN_OBJECTS, object_row_of_change};
 use super::columns::labels_of;
 use super::ring::{Cursor, Ring};
 use super::schema::{Changes, Objects};
-use super::write::{BODY_IN_OBJECTS, object_row_of_change};
 use super::{Store, StoreError, parse_document};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -36,13 +36,12 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::columns::{RuleKey, result_rules};
+use super::decision::Seen;
+use super::decision::{Applied, Current, Decided, Mutation, Target, WriteOutcome};
 use super::feed::{Change, EventType};
-use super::mutate::Seen;
 use super::policy_rules::RoundRules;
 use super::schema::Objects;
-use super::write::{
-    Applied, Current, Decided, Mutation, StagedWrites, Target, WriteOutcome, lock_counter,
-};
+use super::write::{StagedWrites, lock_counter, now_unix};
 use super::{Store, StoreError};
 
 /// Keys per current-row SELECT: bind parameters stay far below every backend's limit.
@@ -518,7 +517,7 @@ impl Store {
         accepted: &mut [Accepted],
         rules: &RoundRules,
     ) -> Result<(Vec<Vec<Applied>>, i64), StoreError> {
-        let now = super::write::now_unix();
+        let now = now_unix();
         let mut rv = base_rv;
         let mut all = Vec::with_capacity(accepted.len());
         let writes = accepted

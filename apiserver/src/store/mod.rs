@@ -15,7 +15,10 @@
 //! Retention is bounded by age and count (see [`StoreOptions`]).
 
 mod body;
+mod change_log;
 pub mod columns;
+mod compaction;
+mod decision;
 pub mod feed;
 mod group_commit;
 pub mod health;
@@ -28,6 +31,7 @@ mod prepared;
 mod read;
 pub mod ring;
 pub mod schema;
+mod statements;
 mod write;
 
 use std::sync::Arc;
@@ -41,14 +45,14 @@ use sea_orm_migration::MigratorTrait;
 use serde_json::Value;
 use tracing::Instrument;
 
+pub use decision::{Mutation, WriteOutcome};
 pub use feed::{Change, ChangeFeed, EventType};
 pub use migration::m20261123_000003_nonzero_resource_version::FIRST_RESOURCE_VERSION;
 pub use read::{ListPage, ListQuery, ListRow, ListStream};
-pub use write::{Mutation, WriteOutcome};
 
 /// The addressing of one object in a batch write.
 pub mod write_target {
-    pub use super::write::Target;
+    pub use super::decision::Target;
 }
 
 /// Errors of the store. The registry maps them to its typed errors; only the HTTP layer turns
@@ -534,15 +538,15 @@ impl Store {
 
     /// Deletes change-log entries beyond the retention bounds and records the horizon.
     pub async fn compact(&self) -> Result<i64, StoreError> {
-        write::compact(self).await
+        compaction::compact(self).await
     }
 
     /// Raises the resourceVersion counter and the watch horizon to at least `floor` (see
-    /// [`write::raise_version_floor`]); returns the new `(current, compacted)` pair.
+    /// [`compaction::raise_version_floor`]); returns the new `(current, compacted)` pair.
     pub async fn raise_version_floor(&self, floor: i64) -> Result<(i64, i64), StoreError> {
         // Boxed: callers' futures (the migration worker's) would otherwise nest past the
         // compiler's layout depth.
-        Box::pin(write::raise_version_floor(self, floor)).await
+        Box::pin(compaction::raise_version_floor(self, floor)).await
     }
 }
 

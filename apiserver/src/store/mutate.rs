@@ -18,9 +18,9 @@ use reports_server_crds::ResourceDescriptor;
 use serde_json::Value;
 
 use super::EventType::{Added, Deleted, Modified};
+use super::decision::{Decided, Mutation, Seen, Target, WriteOutcome, current_rv};
 use super::group_commit::{Admission, OwnedTarget, Presumed};
 use super::prepared::Prepared;
-use super::write::{Decided, Mutation, Target, WriteOutcome};
 use super::{Store, StoreError, parse_document};
 
 /// A decision that took longer than this is not made again inside a round.
@@ -28,12 +28,6 @@ const INSIDE_DECISION_BUDGET: Duration = Duration::from_millis(2);
 
 /// Decisions made outside before a writer whose targets keep changing decides inside a round.
 const OUTSIDE_ATTEMPTS: usize = 3;
-
-/// A target's stored row as a writer read it.
-pub(super) struct Seen {
-    pub(super) rv: i64,
-    pub(super) body: String,
-}
 
 impl Store {
     /// Reads the object at `namespace/name`, lets `decide` choose what to do, and does it.
@@ -218,12 +212,6 @@ fn leader_gone() -> StoreError {
 /// The round that took this writer's decision ended without a word: it may have committed.
 fn round_lost() -> StoreError {
     StoreError::Ambiguous("the write's group commit round ended before it reported".into())
-}
-
-pub(super) fn current_rv(object: &Value) -> Option<i64> {
-    object["metadata"]["resourceVersion"]
-        .as_str()
-        .and_then(|s| s.parse().ok())
 }
 
 #[cfg(test)]

@@ -12,8 +12,8 @@
 
 use sea_orm_migration::prelude::*;
 
+use crate::store::change_log::{BODY_IN_OBJECTS, object_row_of_change};
 use crate::store::schema::{Changes, Objects};
-use crate::store::write::{BODY_IN_OBJECTS, object_row_of_change};
 
 pub struct Migration;
 

@@ -1,0 +1,233 @@
+//! The SQL statements of a write round, built with sea-query on `schema.rs`: the heads of the
+//! multi-row inserts (objects, labels, results, changes), chunked deletes, common table
+//! expressions, and the driver's unique violation as `AlreadyExists`. Chunk sizes keep every
+//! statement far below each backend's bind-parameter limit.
+
+use sea_orm::sea_query::{
+    ColumnRef, CommonTableExpression, DeleteStatement, Expr, ExprTrait, InsertStatement,
+    IntoColumnRef, OnConflict, Query, TableRef,
+};
+use sea_orm::{ConnectionTrait, DatabaseTransaction};
+
+use super::StoreError;
+use super::columns::ResultRow;
+use super::schema::{Changes, ObjectLabels, Objects, Results};
+
+/// Result rows per INSERT: far below every backend's bind-parameter limit (SQLite 32766,
+/// PostgreSQL 65535) at 13 columns a row.
+pub(super) const RESULT_ROWS_PER_STATEMENT: usize = 1000;
+
+/// Ids or versions per `IN (…)` list of a round's deletes and retirements.
+pub(super) const KEYS_PER_STATEMENT: usize = 1000;
+
+/// A named common table expression of `query` (built in place: sea-query's chained builders
+/// end in a clone of the whole statement, values and all).
+pub(super) fn cte(
+    name: impl sea_orm::sea_query::IntoIden,
+    query: impl Into<sea_orm::sea_query::SubQueryStatement>,
+) -> CommonTableExpression {
+    let mut cte = CommonTableExpression::new();
+    cte.query(query).table_name(name);
+    cte
+}
+
+/// Inserts `rows` with `head`, [`RESULT_ROWS_PER_STATEMENT`] rows per statement.
+pub(super) async fn insert_in_chunks<const N: usize>(
+    txn: &DatabaseTransaction,
+    head: fn() -> InsertStatement,
+    rows: Vec<[Expr; N]>,
+) -> Result<(), StoreError> {
+    for insert in multi_row_inserts(head, rows) {
+        txn.execute(&insert).await?;
+    }
+    Ok(())
+}
+
+/// `DELETE FROM table WHERE column IN (ids)`, [`KEYS_PER_STATEMENT`] ids per statement.
+pub(super) async fn delete_where_in(
+    txn: &DatabaseTransaction,
+    table: impl Into<TableRef>,
+    column: impl IntoColumnRef,
+    ids: &[i64],
+) -> Result<(), StoreError> {
+    let (table, column): (TableRef, ColumnRef) = (table.into(), column.into_column_ref());
+    for chunk in ids.chunks(KEYS_PER_STATEMENT) {
+        txn.execute(&delete_in(table.clone(), column.clone(), chunk))
+            .await?;
+    }
+    Ok(())
+}
+
+/// `DELETE FROM table WHERE column IN (ids)`.
+pub(super) fn delete_in(
+    table: impl Into<TableRef>,
+    column: impl IntoColumnRef,
+    ids: &[i64],
+) -> DeleteStatement {
+    Query::delete()
+        .from_table(table)
+        .and_where(Expr::col(column).is_in(ids.iter().copied()))
+        .to_owned()
+}
+
+/// `INSERT INTO objects (…)` without values; [`Store::object_values`] gives a row.
+pub(super) fn objects_head() -> InsertStatement {
+    Query::insert()
+        .into_table(Objects::Table)
+        .columns([
+            Objects::ClusterId,
+            Objects::Resource,
+            Objects::Namespace,
+            Objects::Name,
+            Objects::Uid,
+            Objects::ResourceVersion,
+            Objects::Generation,
+            Objects::CreatedAt,
+            Objects::DeletedAt,
+            Objects::OwnerUids,
+            Objects::SummaryPass,
+            Objects::SummaryFail,
+            Objects::SummaryWarn,
+            Objects::SummaryError,
+            Objects::SummarySkip,
+            Objects::ScopeKind,
+            Objects::ScopeNamespace,
+            Objects::ScopeName,
+            Objects::ScopeUid,
+            Objects::Metadata,
+            Objects::Body,
+        ])
+        .to_owned()
+}
+
+pub(super) fn labels_head() -> InsertStatement {
+    Query::insert()
+        .into_table(ObjectLabels::Table)
+        .columns([
+            ObjectLabels::ObjectId,
+            ObjectLabels::Key,
+            ObjectLabels::Value,
+        ])
+        .to_owned()
+}
+
+/// `INSERT INTO results (…)`; [`result_values`] gives the rows.
+pub(super) fn results_head() -> InsertStatement {
+    Query::insert()
+        .into_table(Results::Table)
+        .columns([
+            Results::ObjectId,
+            Results::Ordinal,
+            Results::RuleId,
+            Results::Result,
+            Results::OwnSubject,
+            Results::SubjectApiVersion,
+            Results::SubjectKind,
+            Results::SubjectNamespace,
+            Results::SubjectName,
+            Results::SubjectUid,
+            Results::Timestamp,
+            Results::Message,
+            Results::Properties,
+        ])
+        .to_owned()
+}
+
+/// The `results` rows of an object (`id`: its id or an expression giving it), in
+/// [`results_head`]'s column order; `rule_ids` holds each row's rule id.
+pub(super) fn result_values<'a>(
+    id: &'a Expr,
+    rows: Vec<ResultRow>,
+    rule_ids: &'a [i64],
+) -> impl Iterator<Item = [Expr; 13]> + 'a {
+    rows.into_iter()
+        .zip(rule_ids)
+        .enumerate()
+        .map(move |(ordinal, (r, rule_id))| {
+            let own_subject = r.subject.is_some();
+            let (kind, namespace, name, uid) = match r.subject {
+                Some(s) => (s.kind, s.namespace, s.name, s.uid),
+                None => (None, None, None, None),
+            };
+            [
+                id.clone(),
+                (ordinal as i32).into(),
+                (*rule_id).into(),
+                r.result.into(),
+                own_subject.into(),
+                r.subject_api_version.into(),
+                kind.into(),
+                namespace.into(),
+                name.into(),
+                uid.into(),
+                r.timestamp.into(),
+                r.message.into(),
+                r.properties.into(),
+            ]
+        })
+}
+
+/// The object's result rows, [`RESULT_ROWS_PER_STATEMENT`] per statement.
+pub(super) fn results_inserts(
+    id: &Expr,
+    rows: Vec<ResultRow>,
+    rule_ids: &[i64],
+) -> Vec<InsertStatement> {
+    multi_row_inserts(results_head, result_values(id, rows, rule_ids))
+}
+
+/// `rows` as INSERTs made by `head`, [`RESULT_ROWS_PER_STATEMENT`] rows per statement.
+pub(super) fn multi_row_inserts<const N: usize>(
+    head: fn() -> InsertStatement,
+    rows: impl IntoIterator<Item = [Expr; N]>,
+) -> Vec<InsertStatement> {
+    let mut rows = rows.into_iter().peekable();
+    let mut inserts = Vec::new();
+    while rows.peek().is_some() {
+        let mut insert = head();
+        for row in rows.by_ref().take(RESULT_ROWS_PER_STATEMENT) {
+            insert.values_panic(row);
+        }
+        inserts.push(insert);
+    }
+    inserts
+}
+
+/// `INSERT INTO changes (…) … ON CONFLICT DO NOTHING`; [`Store::change_values`] gives a row.
+pub(super) fn changes_head() -> InsertStatement {
+    Query::insert()
+        .into_table(Changes::Table)
+        .columns([
+            Changes::ClusterId,
+            Changes::Rv,
+            Changes::Resource,
+            Changes::Namespace,
+            Changes::Name,
+            Changes::EventType,
+            Changes::Labels,
+            Changes::PrevLabels,
+            Changes::Body,
+            Changes::CreatedAt,
+        ])
+        .on_conflict(OnConflict::new().do_nothing().to_owned())
+        .to_owned()
+}
+
+/// The INSERT of one change-log row (from [`Store::change_values`]).
+pub(super) fn one_change(row: [Expr; 10]) -> InsertStatement {
+    let mut insert = changes_head();
+    insert.values_panic(row);
+    insert
+}
+
+/// The primary key already taken: the driver's unique-violation code, not its wording.
+pub(super) fn unique_to_exists(e: sea_orm::DbErr) -> StoreError {
+    if matches!(
+        e.sql_err(),
+        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
+    ) {
+        StoreError::AlreadyExists
+    } else {
+        e.into()
+    }
+}
