@@ -142,9 +142,13 @@ fn store_siblings_used(file: &Path, siblings: &[String]) -> Vec<String> {
     let mut used: Vec<String> = siblings
         .iter()
         .filter(|s| {
-            [format!("super::{s}::"), format!("super::{s}}}"), format!("crate::store::{s}::")]
-                .iter()
-                .any(|p| code.contains(p.as_str()))
+            [
+                format!("super::{s}::"),
+                format!("super::{s}}}"),
+                format!("crate::store::{s}::"),
+            ]
+            .iter()
+            .any(|p| code.contains(p.as_str()))
                 || code.contains(&format!("super::{{{s}"))
         })
         .cloned()
