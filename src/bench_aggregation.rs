@@ -194,10 +194,6 @@ fn args_without_layout() -> Vec<std::ffi::OsString> {
     kept
 }
 
-#[allow(
-    clippy::too_many_lines,
-    reason = "development-only load generator; to split (issue 34)"
-)]
 async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<Figures> {
     let dir = tempfile::tempdir()?;
     let (server, client) = start_server(dir.path(), args.database_url.as_deref(), None).await?;
@@ -233,6 +229,48 @@ async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<
     );
 
     let started = Instant::now();
+    create_ephemerals(args, &client, &metrics).await?;
+    let create_secs = started.elapsed().as_secs_f64();
+    wait_until_consumed(args, layout, &client, &metrics, started).await?;
+    let total_secs = started.elapsed().as_secs_f64();
+    eprintln!("\r  consumed {ephemerals}/{ephemerals} after {total_secs:.1} s");
+
+    let (final_reports, results) = verify(&client, layout, args.pods).await?;
+    let writes = [Operation::Create, Operation::Update, Operation::Delete]
+        .into_iter()
+        .map(|operation| {
+            metrics
+                .reports_written
+                .get_or_create(&OperationLabels { operation })
+                .get()
+        })
+        .sum();
+    let figures = Figures {
+        layout,
+        create_secs,
+        total_secs,
+        ephemerals,
+        final_reports,
+        results,
+        results_written: metrics.results_merged.get(),
+        writes,
+        peak_rss_kib: memory().ok().map(|(_, peak)| peak / 1024),
+    };
+    server.shutdown().await;
+    let _ = aggregation.await;
+    eprintln!(
+        "{layout}: every pod has its 19 results exactly once, background (newer) results won, summaries match"
+    );
+    Ok(figures)
+}
+
+/// Creates an admission and a (newer) background ephemeral report per pod, with progress.
+async fn create_ephemerals(
+    args: &BenchAggregationArgs,
+    client: &kube::Client,
+    metrics: &Metrics,
+) -> anyhow::Result<()> {
+    let ephemerals = args.pods * 2;
     let namespaces = args.namespaces.max(1);
     let mut creates = futures::stream::iter(0..args.pods)
         .flat_map(|i| futures::stream::iter([(i, true), (i, false)]))
@@ -266,9 +304,20 @@ async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<
             );
         }
     }
-    let create_secs = started.elapsed().as_secs_f64();
     eprintln!();
+    Ok(())
+}
 
+/// Waits until the merge consumed every ephemeral report (confirmed through the API), or
+/// fails after `--timeout` from `started`.
+async fn wait_until_consumed(
+    args: &BenchAggregationArgs,
+    layout: Layout,
+    client: &kube::Client,
+    metrics: &Metrics,
+    started: Instant,
+) -> anyhow::Result<()> {
+    let ephemerals = args.pods * 2;
     let all_ephemerals: Api<DynamicObject> = Api::all_with(
         client.clone(),
         &kube::api::ApiResource::erase::<EphemeralReport>(&()),
@@ -276,12 +325,11 @@ async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<
     loop {
         let consumed = metrics.ephemeral_reports_deleted.get();
         if consumed >= ephemerals {
-            // Confirm through the API that none is left.
             let left = all_ephemerals
                 .list_metadata(&ListParams::default().limit(1))
                 .await?;
             if left.items.is_empty() {
-                break;
+                return Ok(());
             }
         }
         if started.elapsed() > args.timeout {
@@ -293,36 +341,6 @@ async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<
         eprint!("\r  consumed {consumed}/{ephemerals}");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    let total_secs = started.elapsed().as_secs_f64();
-    eprintln!("\r  consumed {ephemerals}/{ephemerals} after {total_secs:.1} s");
-
-    let (final_reports, results) = verify(&client, layout, args.pods).await?;
-    let writes = [Operation::Create, Operation::Update, Operation::Delete]
-        .into_iter()
-        .map(|operation| {
-            metrics
-                .reports_written
-                .get_or_create(&OperationLabels { operation })
-                .get()
-        })
-        .sum();
-    let figures = Figures {
-        layout,
-        create_secs,
-        total_secs,
-        ephemerals,
-        final_reports,
-        results,
-        results_written: metrics.results_merged.get(),
-        writes,
-        peak_rss_kib: memory().ok().map(|(_, peak)| peak / 1024),
-    };
-    server.shutdown().await;
-    let _ = aggregation.await;
-    eprintln!(
-        "{layout}: every pod has its 19 results exactly once, background (newer) results won, summaries match"
-    );
-    Ok(figures)
 }
 
 /// Lists the policy reports and checks that they hold exactly the expected results. Returns
