@@ -560,21 +560,60 @@ struct Desired {
     policy_label: Option<(String, String)>,
 }
 
-#[allow(
-    clippy::too_many_lines,
-    reason = "the pure merge, one pass in Kyverno's order, kept whole on purpose (issue 34 exempts it)"
-)]
+/// The stored reports of a namespace as the merge sees them.
+#[derive(Default)]
+struct Stored<'a> {
+    /// Reports not managed by Kyverno: a desired report of that name is a conflict.
+    unmanaged: BTreeSet<(ReportKind, &'a str)>,
+    /// Managed reports, by kind and name.
+    managed: BTreeMap<(ReportKind, &'a str), &'a FinalReport>,
+}
+
+/// The merge: the stored results and the ephemeral reports' results compete per (subject,
+/// policy, rule) in Kyverno's order; the winners make the desired reports, and the plan is
+/// the difference from what is stored.
 fn merge_impl(input: &MergeInput<'_>, options: &MergeOptions, paged: bool) -> Plan {
     let ns = input.namespace;
     let output_kind = options.output.kind_for(ns);
     let mut acc = Accumulator::default();
     let mut plan = Plan::default();
-    let mut unmanaged: BTreeSet<(ReportKind, &str)> = BTreeSet::new();
-    let mut stored: BTreeMap<(ReportKind, &str), &FinalReport> = BTreeMap::new();
+    let stored = consider_stored(input, paged, &mut acc, &mut plan);
+    let consumed = consider_ephemerals(input, options, &mut acc);
+    let desired = match options.layout {
+        Layout::PerResource => desired_per_resource(&mut acc),
+        Layout::PerPolicy => desired_per_policy(&mut acc, ns, input.policies, options.chunk_size),
+    };
+    let blocked = plan_writes(ns, output_kind, &desired, &stored, &mut plan);
+    for (uid, keys) in consumed {
+        if !blocked.contains(&uid) {
+            plan.ephemeral_deletes.extend(keys);
+        }
+    }
+    plan.stats = MergeStats {
+        results_out: plan.stats.results_out,
+        ..acc.stats
+    };
+    plan.creates.sort_by_key(FinalReport::key);
+    plan.updates.sort_by_key(FinalReport::key);
+    plan.deletes.sort();
+    plan.ephemeral_deletes.sort();
+    plan.conflicts.sort();
+    plan.skipped.sort();
+    plan
+}
 
+/// Lets every result of the stored managed reports compete; a report without a scope is left
+/// to the first page of a paged merge (`plan.skipped`).
+fn consider_stored<'a>(
+    input: &MergeInput<'a>,
+    paged: bool,
+    acc: &mut Accumulator<'a>,
+    plan: &mut Plan,
+) -> Stored<'a> {
+    let mut stored = Stored::default();
     for report in input.reports {
         if !report.is_managed() {
-            unmanaged.insert((report.kind(), report.name()));
+            stored.unmanaged.insert((report.kind(), report.name()));
             continue;
         }
         let name = report.name();
@@ -616,9 +655,18 @@ fn merge_impl(input: &MergeInput<'_>, options: &MergeOptions, paged: bool) -> Pl
                 acc.consider(input.policies, r, uid, Origin::stored(report));
             }
         }
-        stored.insert((report.kind(), name), report);
+        stored.managed.insert((report.kind(), name), report);
     }
+    stored
+}
 
+/// Lets every result of the ephemeral reports compete; answers the ephemeral reports consumed,
+/// by subject.
+fn consider_ephemerals<'a>(
+    input: &MergeInput<'a>,
+    options: &MergeOptions,
+    acc: &mut Accumulator<'a>,
+) -> BTreeMap<String, Vec<ObjectKey>> {
     let mut consumed: BTreeMap<String, Vec<ObjectKey>> = BTreeMap::new();
     for eph in input.ephemerals {
         let owner = match eph.owner() {
@@ -641,16 +689,22 @@ fn merge_impl(input: &MergeInput<'_>, options: &MergeOptions, paged: bool) -> Pl
         }
         consumed.entry(uid.to_owned()).or_default().push(eph.key());
     }
+    consumed
+}
 
-    let desired = match options.layout {
-        Layout::PerResource => desired_per_resource(&mut acc),
-        Layout::PerPolicy => desired_per_policy(&mut acc, ns, input.policies, options.chunk_size),
-    };
-
+/// Creates, updates, deletes and conflicts that turn `stored` into `desired`; answers the
+/// subjects whose report is blocked by an unmanaged one (their ephemerals stay).
+fn plan_writes(
+    ns: &str,
+    output_kind: ReportKind,
+    desired: &BTreeMap<String, Desired>,
+    stored: &Stored<'_>,
+    plan: &mut Plan,
+) -> BTreeSet<String> {
     let mut blocked: BTreeSet<String> = BTreeSet::new();
-    for (name, d) in &desired {
+    for (name, d) in desired {
         let key = (output_kind, name.as_str());
-        if unmanaged.contains(&key) {
+        if stored.unmanaged.contains(&key) {
             plan.conflicts.push(ObjectKey {
                 kind: output_kind,
                 namespace: ns.to_owned(),
@@ -662,7 +716,7 @@ fn merge_impl(input: &MergeInput<'_>, options: &MergeOptions, paged: bool) -> Pl
             continue;
         }
         plan.stats.results_out += d.results.len();
-        match stored.get(&key) {
+        match stored.managed.get(&key) {
             Some(existing) => {
                 let mut updated = (*existing).clone();
                 updated.set_results(d.results.clone());
@@ -684,28 +738,12 @@ fn merge_impl(input: &MergeInput<'_>, options: &MergeOptions, paged: bool) -> Pl
             None => plan.creates.push(new_report(output_kind, ns, name, d)),
         }
     }
-    for ((kind, name), report) in &stored {
+    for ((kind, name), report) in &stored.managed {
         if !(*kind == output_kind && desired.contains_key(*name)) {
             plan.deletes.push(report.key());
         }
     }
-    for (uid, keys) in consumed {
-        if !blocked.contains(&uid) {
-            plan.ephemeral_deletes.extend(keys);
-        }
-    }
-
-    plan.stats = MergeStats {
-        results_out: plan.stats.results_out,
-        ..acc.stats
-    };
-    plan.creates.sort_by_key(FinalReport::key);
-    plan.updates.sort_by_key(FinalReport::key);
-    plan.deletes.sort();
-    plan.ephemeral_deletes.sort();
-    plan.conflicts.sort();
-    plan.skipped.sort();
-    plan
+    blocked
 }
 
 fn desired_per_resource(acc: &mut Accumulator<'_>) -> BTreeMap<String, Desired> {

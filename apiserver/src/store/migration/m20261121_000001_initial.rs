@@ -62,180 +62,13 @@ fn key_string(col: impl IntoIden, len: u32) -> ColumnDef {
     c
 }
 
-#[allow(
-    clippy::too_many_lines,
-    reason = "a schema migration is one declaration of every table; released migrations never change"
-)]
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let backend = manager.get_database_backend();
-
-        manager
-            .create_table(
-                Table::create()
-                    .table(StoreState::Table)
-                    .if_not_exists()
-                    .col(key_string(StoreState::ClusterId, 64).primary_key())
-                    .col(ColumnDef::new(StoreState::Rv).big_integer().not_null())
-                    .col(
-                        ColumnDef::new(StoreState::CompactedRv)
-                            .big_integer()
-                            .not_null(),
-                    )
-                    .to_owned(),
-            )
-            .await?;
-
-        manager
-            .create_table(
-                Table::create()
-                    .table(Objects::Table)
-                    .if_not_exists()
-                    .col(
-                        ColumnDef::new(Objects::Id)
-                            .big_integer()
-                            .not_null()
-                            .auto_increment()
-                            .primary_key(),
-                    )
-                    .col(key_string(Objects::ClusterId, 64))
-                    .col(key_string(Objects::Resource, 100))
-                    .col(key_string(Objects::Namespace, 63))
-                    .col(key_string(Objects::Name, 253))
-                    .col(key_string(Objects::Uid, 36))
-                    .col(
-                        ColumnDef::new(Objects::ResourceVersion)
-                            .big_integer()
-                            .not_null(),
-                    )
-                    .col(ColumnDef::new(Objects::Generation).big_integer().not_null())
-                    .col(ColumnDef::new(Objects::CreatedAt).big_integer().not_null())
-                    .col(ColumnDef::new(Objects::DeletedAt).big_integer().null())
-                    .col(
-                        ColumnDef::new(Objects::OwnerUids)
-                            .string_len(1024)
-                            .not_null(),
-                    )
-                    .col(
-                        ColumnDef::new(Objects::SummaryPass)
-                            .big_integer()
-                            .not_null(),
-                    )
-                    .col(
-                        ColumnDef::new(Objects::SummaryFail)
-                            .big_integer()
-                            .not_null(),
-                    )
-                    .col(
-                        ColumnDef::new(Objects::SummaryWarn)
-                            .big_integer()
-                            .not_null(),
-                    )
-                    .col(
-                        ColumnDef::new(Objects::SummaryError)
-                            .big_integer()
-                            .not_null(),
-                    )
-                    .col(
-                        ColumnDef::new(Objects::SummarySkip)
-                            .big_integer()
-                            .not_null(),
-                    )
-                    .col(ColumnDef::new(Objects::ScopeKind).string_len(253).null())
-                    .col(
-                        ColumnDef::new(Objects::ScopeNamespace)
-                            .string_len(63)
-                            .null(),
-                    )
-                    .col(ColumnDef::new(Objects::ScopeName).string_len(253).null())
-                    .col(ColumnDef::new(Objects::ScopeUid).string_len(64).null())
-                    .col(document(backend, Objects::Metadata))
-                    .col(document(backend, Objects::Body))
-                    .to_owned(),
-            )
-            .await?;
-        for (name, cols) in [
-            (
-                "objects_key",
-                vec![
-                    Objects::ClusterId,
-                    Objects::Resource,
-                    Objects::Namespace,
-                    Objects::Name,
-                ],
-            ),
-            ("objects_uid", vec![Objects::Uid]),
-            ("objects_scope_uid", vec![Objects::ScopeUid]),
-            (
-                "objects_rv",
-                vec![Objects::ClusterId, Objects::ResourceVersion],
-            ),
-        ] {
-            let mut index = Index::create();
-            index.name(name).table(Objects::Table).if_not_exists();
-            if name == "objects_key" {
-                index.unique();
-            }
-            for c in cols {
-                index.col(c);
-            }
-            manager.create_index(index.to_owned()).await?;
-        }
-
-        manager
-            .create_table(
-                Table::create()
-                    .table(ObjectLabels::Table)
-                    .if_not_exists()
-                    .col(
-                        ColumnDef::new(ObjectLabels::ObjectId)
-                            .big_integer()
-                            .not_null(),
-                    )
-                    .col(key_string(ObjectLabels::Key, 317))
-                    .col(key_string(ObjectLabels::Value, 63))
-                    .primary_key(
-                        Index::create()
-                            .col(ObjectLabels::ObjectId)
-                            .col(ObjectLabels::Key),
-                    )
-                    .to_owned(),
-            )
-            .await?;
-        manager
-            .create_index(
-                Index::create()
-                    .name("object_labels_key_value")
-                    .table(ObjectLabels::Table)
-                    .if_not_exists()
-                    .col(ObjectLabels::Key)
-                    .col(ObjectLabels::Value)
-                    .col(ObjectLabels::ObjectId)
-                    .to_owned(),
-            )
-            .await?;
-
-        manager
-            .create_table(
-                Table::create()
-                    .table(Changes::Table)
-                    .if_not_exists()
-                    .col(key_string(Changes::ClusterId, 64))
-                    .col(ColumnDef::new(Changes::Rv).big_integer().not_null())
-                    .col(key_string(Changes::Resource, 100))
-                    .col(key_string(Changes::Namespace, 63))
-                    .col(key_string(Changes::Name, 253))
-                    .col(key_string(Changes::EventType, 16))
-                    .col(document(backend, Changes::Labels))
-                    .col(document(backend, Changes::PrevLabels))
-                    .col(document(backend, Changes::Body))
-                    .col(ColumnDef::new(Changes::CreatedAt).big_integer().not_null())
-                    .primary_key(Index::create().col(Changes::ClusterId).col(Changes::Rv))
-                    .to_owned(),
-            )
-            .await?;
-
+        create_store_state(manager).await?;
+        create_objects(manager).await?;
+        create_object_labels(manager).await?;
+        create_changes(manager).await?;
         create_wide_results(manager).await
     }
 
@@ -257,6 +90,192 @@ impl MigrationTrait for Migration {
         }
         Ok(())
     }
+}
+
+// The statements below are this released migration's, in its order; only their grouping into
+// functions is new, so what it creates cannot change.
+
+/// The resourceVersion counter and compaction horizon, one row per cluster id.
+async fn create_store_state(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    manager
+        .create_table(
+            Table::create()
+                .table(StoreState::Table)
+                .if_not_exists()
+                .col(key_string(StoreState::ClusterId, 64).primary_key())
+                .col(ColumnDef::new(StoreState::Rv).big_integer().not_null())
+                .col(
+                    ColumnDef::new(StoreState::CompactedRv)
+                        .big_integer()
+                        .not_null(),
+                )
+                .to_owned(),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Objects with their key, uid, scope and version indexes.
+async fn create_objects(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    let backend = manager.get_database_backend();
+    manager
+        .create_table(
+            Table::create()
+                .table(Objects::Table)
+                .if_not_exists()
+                .col(
+                    ColumnDef::new(Objects::Id)
+                        .big_integer()
+                        .not_null()
+                        .auto_increment()
+                        .primary_key(),
+                )
+                .col(key_string(Objects::ClusterId, 64))
+                .col(key_string(Objects::Resource, 100))
+                .col(key_string(Objects::Namespace, 63))
+                .col(key_string(Objects::Name, 253))
+                .col(key_string(Objects::Uid, 36))
+                .col(
+                    ColumnDef::new(Objects::ResourceVersion)
+                        .big_integer()
+                        .not_null(),
+                )
+                .col(ColumnDef::new(Objects::Generation).big_integer().not_null())
+                .col(ColumnDef::new(Objects::CreatedAt).big_integer().not_null())
+                .col(ColumnDef::new(Objects::DeletedAt).big_integer().null())
+                .col(
+                    ColumnDef::new(Objects::OwnerUids)
+                        .string_len(1024)
+                        .not_null(),
+                )
+                .col(
+                    ColumnDef::new(Objects::SummaryPass)
+                        .big_integer()
+                        .not_null(),
+                )
+                .col(
+                    ColumnDef::new(Objects::SummaryFail)
+                        .big_integer()
+                        .not_null(),
+                )
+                .col(
+                    ColumnDef::new(Objects::SummaryWarn)
+                        .big_integer()
+                        .not_null(),
+                )
+                .col(
+                    ColumnDef::new(Objects::SummaryError)
+                        .big_integer()
+                        .not_null(),
+                )
+                .col(
+                    ColumnDef::new(Objects::SummarySkip)
+                        .big_integer()
+                        .not_null(),
+                )
+                .col(ColumnDef::new(Objects::ScopeKind).string_len(253).null())
+                .col(
+                    ColumnDef::new(Objects::ScopeNamespace)
+                        .string_len(63)
+                        .null(),
+                )
+                .col(ColumnDef::new(Objects::ScopeName).string_len(253).null())
+                .col(ColumnDef::new(Objects::ScopeUid).string_len(64).null())
+                .col(document(backend, Objects::Metadata))
+                .col(document(backend, Objects::Body))
+                .to_owned(),
+        )
+        .await?;
+    for (name, cols) in [
+        (
+            "objects_key",
+            vec![
+                Objects::ClusterId,
+                Objects::Resource,
+                Objects::Namespace,
+                Objects::Name,
+            ],
+        ),
+        ("objects_uid", vec![Objects::Uid]),
+        ("objects_scope_uid", vec![Objects::ScopeUid]),
+        (
+            "objects_rv",
+            vec![Objects::ClusterId, Objects::ResourceVersion],
+        ),
+    ] {
+        let mut index = Index::create();
+        index.name(name).table(Objects::Table).if_not_exists();
+        if name == "objects_key" {
+            index.unique();
+        }
+        for c in cols {
+            index.col(c);
+        }
+        manager.create_index(index.to_owned()).await?;
+    }
+    Ok(())
+}
+
+/// Label rows of objects, indexed for selectors.
+async fn create_object_labels(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    manager
+        .create_table(
+            Table::create()
+                .table(ObjectLabels::Table)
+                .if_not_exists()
+                .col(
+                    ColumnDef::new(ObjectLabels::ObjectId)
+                        .big_integer()
+                        .not_null(),
+                )
+                .col(key_string(ObjectLabels::Key, 317))
+                .col(key_string(ObjectLabels::Value, 63))
+                .primary_key(
+                    Index::create()
+                        .col(ObjectLabels::ObjectId)
+                        .col(ObjectLabels::Key),
+                )
+                .to_owned(),
+        )
+        .await?;
+    manager
+        .create_index(
+            Index::create()
+                .name("object_labels_key_value")
+                .table(ObjectLabels::Table)
+                .if_not_exists()
+                .col(ObjectLabels::Key)
+                .col(ObjectLabels::Value)
+                .col(ObjectLabels::ObjectId)
+                .to_owned(),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The change log, keyed by cluster id and resourceVersion.
+async fn create_changes(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    let backend = manager.get_database_backend();
+    manager
+        .create_table(
+            Table::create()
+                .table(Changes::Table)
+                .if_not_exists()
+                .col(key_string(Changes::ClusterId, 64))
+                .col(ColumnDef::new(Changes::Rv).big_integer().not_null())
+                .col(key_string(Changes::Resource, 100))
+                .col(key_string(Changes::Namespace, 63))
+                .col(key_string(Changes::Name, 253))
+                .col(key_string(Changes::EventType, 16))
+                .col(document(backend, Changes::Labels))
+                .col(document(backend, Changes::PrevLabels))
+                .col(document(backend, Changes::Body))
+                .col(ColumnDef::new(Changes::CreatedAt).big_integer().not_null())
+                .primary_key(Index::create().col(Changes::ClusterId).col(Changes::Rv))
+                .to_owned(),
+        )
+        .await?;
+    Ok(())
 }
 
 /// The `results` table, its indexes and the `report_results` view as this migration made
