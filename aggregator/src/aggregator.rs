@@ -187,7 +187,7 @@ impl<B: AggregationBackend> Aggregator<B> {
         if options.layout == Layout::PerResource && !multi_subject {
             loop {
                 let plan = tracing::debug_span!("plan").in_scope(|| {
-                    merge_page(
+                    let plan = merge_page(
                         &MergeInput {
                             namespace,
                             reports: &page.reports,
@@ -195,7 +195,11 @@ impl<B: AggregationBackend> Aggregator<B> {
                             policies: policies.as_ref(),
                         },
                         options,
-                    )
+                    );
+                    if let Ok(plan) = &plan {
+                        planned(plan);
+                    }
+                    plan
                 })?;
                 self.apply(&plan, &mut outcome).await?;
                 let Some(next) = page.next.take() else {
@@ -215,7 +219,7 @@ impl<B: AggregationBackend> Aggregator<B> {
             page = self.load(namespace, Some(&next)).await?;
         }
         let plan = tracing::debug_span!("plan").in_scope(|| {
-            merge_namespace(
+            let plan = merge_namespace(
                 &MergeInput {
                     namespace,
                     reports: &all.reports,
@@ -223,7 +227,9 @@ impl<B: AggregationBackend> Aggregator<B> {
                     policies: policies.as_ref(),
                 },
                 options,
-            )
+            );
+            planned(&plan);
+            plan
         });
         self.apply(&plan, &mut outcome).await?;
         Ok(outcome)
@@ -246,4 +252,17 @@ impl<B: AggregationBackend> Aggregator<B> {
             )
             .await;
     }
+}
+
+/// What a merge decided, logged inside its `plan` span.
+fn planned(plan: &Plan) {
+    tracing::debug!(
+        creates = plan.creates.len(),
+        updates = plan.updates.len(),
+        deletes = plan.deletes.len(),
+        ephemerals_consumed = plan.ephemeral_deletes.len(),
+        conflicts = plan.conflicts.len(),
+        results_out = plan.stats.results_out,
+        "planned"
+    );
 }

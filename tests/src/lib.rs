@@ -6,6 +6,7 @@
 pub mod controlplane;
 pub mod delegated;
 pub mod findings;
+pub mod json_log;
 pub mod kubectl;
 pub mod kyverno;
 pub mod kyverno_fixtures;

@@ -161,6 +161,11 @@ async fn inprocess_aggregation_adopts_mutation_reports_and_follows_policies() ->
             &format!("{}s", GRACE.as_secs()),
             "--adoption-retry",
             "1s",
+            // A merge round, step by step, for the check at the end.
+            "--log-format",
+            "json",
+            "--log",
+            "info,reports_server_aggregator=debug",
         ],
     )
     .await?;
@@ -314,6 +319,19 @@ async fn inprocess_aggregation_adopts_mutation_reports_and_follows_policies() ->
             ),
         "summary after both policy changes: {summary:?}"
     );
+
+    // One merge round of the namespace in the JSON log: each step under its span.
+    let log = reports_server_tests::json_log::read(&server.log_path())?;
+    let steps = reports_server_tests::json_log::steps_under(
+        &log,
+        "merge",
+        ("namespace", NS),
+        &["load_page", "plan", "apply_plan"],
+    )
+    .with_context(diagnostics)?;
+    for line in steps {
+        eprintln!("[e2e] merge step: {line}");
+    }
 
     delegated::unregister_apiservices(&cp).await?;
     server.kill();

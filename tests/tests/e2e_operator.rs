@@ -189,6 +189,7 @@ async fn e2e_operator_external_mode() -> Result<()> {
         .args(["--metrics-address", &format!("127.0.0.1:{metrics_port}")])
         .args(["--lease-namespace", NS, "--pod-name", "e2e-operator"])
         .args(["--progress-requeue-seconds", "1"])
+        .args(["--log-format", "json"])
         .env("REPORTS_SERVER_LOG", "info,reports_server_operator=debug")
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
@@ -242,6 +243,26 @@ async fn e2e_operator_external_mode() -> Result<()> {
         "[e2e] ReportsServer Ready {:.1?} after apply",
         t_apply.elapsed()
     );
+    // One reconcile in the operator's JSON log: each step under its span.
+    let log = reports_server_tests::json_log::read(&log_path)?;
+    let steps = reports_server_tests::json_log::steps_under(
+        &log,
+        "reconcile",
+        ("name", "reports-server"),
+        &[
+            "prepare_database",
+            "prepare_tls",
+            "claim_api_services",
+            "apply_workload",
+            "apply_api_services",
+            "remove_turned_off",
+            "publish_status",
+        ],
+    )
+    .with_context(operator_log)?;
+    for line in steps {
+        eprintln!("[e2e] reconcile step: {line}");
+    }
     ensure!(
         rs["status"]["database"]["type"] == "external",
         "{}",

@@ -131,11 +131,13 @@ pub(super) async fn ensure_tls(
         not_after,
     )))
 }
+
 pub(super) fn rfc3339(secs: i64) -> String {
     chrono::DateTime::from_timestamp(secs, 0)
         .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
         .unwrap_or_default()
 }
+
 /// The external server's CA PEM from `spec.external`.
 pub(super) async fn external_ca(
     ctx: &Context,
@@ -168,14 +170,21 @@ pub(super) async fn external_ca(
             }),
     )
 }
+
+/// The TLS material of a reconcile: what the operator issues (`None` in external mode) and
+/// the CA the APIServices trust.
+pub(super) type TlsFacts = (Option<Tls>, Option<String>);
+
 /// The serving certificate the operator issues (recording its expiry), or the external
 /// server's CA.
+#[tracing::instrument(name = "prepare_tls", level = "debug", skip_all)]
 pub(super) async fn prepare_tls(
     rs: &ReportsServer,
     ctx: &Context,
     database: &Database,
     status: &mut ReportsServerStatus,
-) -> Result<Result<(Option<Tls>, Option<String>), Outcome>, Error> {
+) -> Result<Result<TlsFacts, Outcome>, Error> {
+    tracing::debug!("the serving certificate and the CA the APIServices trust");
     if *database == Database::External {
         return Ok(external_ca(ctx, rs).await?.map(|pem| (None, Some(pem))));
     }

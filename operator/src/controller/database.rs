@@ -36,6 +36,7 @@ pub(super) async fn secret_key(
         },
     })
 }
+
 /// Verifies the external PostgreSQL Secret has every key the spec names.
 pub(super) async fn check_external_postgres(
     ctx: &Context,
@@ -67,6 +68,7 @@ pub(super) async fn check_external_postgres(
     }
     Ok(None)
 }
+
 /// The managed PostgreSQL's password Secret: created once with a random password, never
 /// rewritten (server-side apply would replace the password on every reconcile).
 pub(super) async fn ensure_postgres_password(
@@ -104,13 +106,16 @@ pub(super) async fn ensure_postgres_password(
         Err(e) => Err(e),
     }
 }
+
 /// The database the spec names, checked as far as the operator can (the external Secret, the
 /// managed database's password); `Err` with the outcome when the user must fix something.
+#[tracing::instrument(name = "prepare_database", level = "debug", skip_all)]
 pub(super) async fn prepare_database(
     rs: &ReportsServer,
     ctx: &Context,
     status: &mut ReportsServerStatus,
 ) -> Result<Result<Database, Outcome>, Error> {
+    tracing::debug!("the database facts: Secret keys checked, the managed password ensured");
     let database = match desired::database_of(&rs.spec) {
         Ok(db) => db,
         Err(invalid) => return Ok(Err(Outcome::degraded(invalid.reason, invalid.message))),

@@ -42,6 +42,7 @@ pub(super) fn available(api: &APIService) -> (bool, String, String) {
         })
         .unwrap_or((false, "Pending".into(), "no Available condition yet".into()))
 }
+
 pub(super) fn describe_target(api: &APIService) -> String {
     match api.spec.as_ref().and_then(|s| s.service.as_ref()) {
         Some(svc) => format!(
@@ -52,6 +53,7 @@ pub(super) fn describe_target(api: &APIService) -> String {
         None => "Local (CRD storage)".into(),
     }
 }
+
 pub(super) async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Result<Action, Error> {
     let previous = rs.status.clone().unwrap_or_default();
     let mut status = ReportsServerStatus {
@@ -70,6 +72,7 @@ pub(super) async fn apply_installation(rs: &ReportsServer, ctx: &Context) -> Res
         Outcome::Degraded { .. } => Action::requeue(ctx.config.degraded_requeue),
     })
 }
+
 /// Applies everything the spec asks for, filling `status` with what is observed on the way;
 /// returns what the reconcile concluded. A problem the user must fix ends it early.
 pub(super) async fn converge(
@@ -151,6 +154,7 @@ pub(super) async fn converge(
         workload.ready,
     ))
 }
+
 /// The enabled groups' APIServices as found before applying ours.
 pub(super) struct ClaimedGroups {
     statuses: Vec<GroupStatus>,
@@ -159,15 +163,18 @@ pub(super) struct ClaimedGroups {
     /// Local (CRD storage) while the server's migration worker moves their reports.
     migrating: Vec<String>,
 }
+
 /// Decides, for each enabled group's existing APIService that is not ours, whether it becomes
 /// ours (switched by the migration worker, or `apiServices.takeOver`), waits for the migration,
 /// or is someone else's.
+#[tracing::instrument(name = "claim_api_services", level = "debug", skip_all)]
 pub(super) async fn claim_api_services(
     rs: &ReportsServer,
     ctx: &Context,
     previous: &ReportsServerStatus,
     apiservices: &Api<APIService>,
 ) -> Result<ClaimedGroups, Error> {
+    tracing::debug!("the APIServices: which groups are ours to route");
     let mut claimed = ClaimedGroups {
         statuses: Vec::new(),
         foreign: Vec::new(),
@@ -221,19 +228,23 @@ pub(super) async fn claim_api_services(
     }
     Ok(claimed)
 }
+
 /// What the server's workload reports after it is applied.
 pub(super) struct Workload {
     ready: bool,
     ready_replicas: i32,
 }
+
 /// Applies every desired object but the APIServices; reads the server workload's readiness
 /// from what the API server answered.
+#[tracing::instrument(name = "apply_workload", level = "debug", skip_all)]
 pub(super) async fn apply_workload(
     rs: &ReportsServer,
     ctx: &Context,
     want: &desired::Desired,
     database: &Database,
 ) -> Result<Workload, Error> {
+    tracing::debug!("the workload: RBAC, Services, the database, the Deployment");
     let mut workload = Workload {
         ready: *database == Database::External,
         ready_replicas: 0,
@@ -260,12 +271,15 @@ pub(super) async fn apply_workload(
     }
     Ok(workload)
 }
+
 /// Applies the APIServices, recording kube-apiserver's `Available` verdict in `groups`.
+#[tracing::instrument(name = "apply_api_services", level = "debug", skip_all)]
 pub(super) async fn apply_api_services(
     ctx: &Context,
     want: &desired::Desired,
     groups: &mut [GroupStatus],
 ) -> Result<(), Error> {
+    tracing::debug!("the APIServices routed to the server");
     for obj in &want.api_services {
         let applied = apply(&ctx.client, obj).await?;
         let api: APIService =
@@ -283,9 +297,11 @@ pub(super) async fn apply_api_services(
     }
     Ok(())
 }
+
 /// Groups turned off: removes our APIService (kube-apiserver re-creates a Local one if a CRD
 /// for the group exists), or, when the worker hands the group back with its reports, releases
 /// it once it is Local again (until then it counts as `migrating`).
+#[tracing::instrument(name = "remove_turned_off", level = "debug", skip_all)]
 pub(super) async fn remove_turned_off(
     rs: &ReportsServer,
     ctx: &Context,
@@ -293,6 +309,7 @@ pub(super) async fn remove_turned_off(
     worker_running: bool,
     migrating: &mut Vec<String>,
 ) -> Result<(), Error> {
+    tracing::debug!("objects the spec no longer asks for");
     for (group, version) in GROUP_VERSIONS {
         if rs.spec.enabled_groups().contains(&(version, group)) {
             continue;
@@ -319,6 +336,7 @@ pub(super) async fn remove_turned_off(
     }
     Ok(())
 }
+
 /// What a reconcile that applied everything concludes, from what it observed; no I/O.
 pub(super) fn outcome_of(
     rs: &ReportsServer,
@@ -391,8 +409,10 @@ pub(super) fn outcome_of(
     }
     Outcome::Ready
 }
+
 /// Writes `status` with the conditions for `outcome` (and the servers' view of the database)
 /// when it differs from `previous`, with an Event when `Ready` changes.
+#[tracing::instrument(name = "publish_status", level = "debug", skip_all)]
 pub(super) async fn publish_status(
     rs: &ReportsServer,
     ctx: &Context,
@@ -400,6 +420,7 @@ pub(super) async fn publish_status(
     mut status: ReportsServerStatus,
     outcome: &Outcome,
 ) -> Result<(), Error> {
+    tracing::debug!("the status, written when it changed");
     use reports_server_crds::reportsserver::condition::READY;
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let generation = rs.metadata.generation;

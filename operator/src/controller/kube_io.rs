@@ -31,6 +31,7 @@ pub(super) fn api_resource(obj: &Value) -> ApiResource {
     };
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
 }
+
 pub(super) fn dynamic_api(client: &Client, obj: &Value) -> Api<DynamicObject> {
     let ar = api_resource(obj);
     match obj["metadata"]["namespace"].as_str() {
@@ -38,8 +39,14 @@ pub(super) fn dynamic_api(client: &Client, obj: &Value) -> Api<DynamicObject> {
         None => Api::all_with(client.clone(), &ar),
     }
 }
+
 /// Server-side apply with the operator's field manager, taking fields over from others.
 pub(super) async fn apply(client: &Client, obj: &Value) -> Result<DynamicObject, kube::Error> {
+    tracing::debug!(
+        kind = obj["kind"].as_str().unwrap_or(""),
+        name = obj["metadata"]["name"].as_str().unwrap_or(""),
+        "server-side apply"
+    );
     let name = obj["metadata"]["name"].as_str().unwrap_or_default();
     dynamic_api(client, obj)
         .patch(
@@ -49,9 +56,11 @@ pub(super) async fn apply(client: &Client, obj: &Value) -> Result<DynamicObject,
         )
         .await
 }
+
 pub(super) fn owner_key(rs: &ReportsServer) -> String {
     format!("{}/{}", rs.namespace().unwrap_or_default(), rs.name_any())
 }
+
 pub(super) fn is_ours<K: Resource>(obj: &K, rs: &ReportsServer) -> bool {
     obj.meta()
         .annotations
@@ -59,12 +68,14 @@ pub(super) fn is_ours<K: Resource>(obj: &K, rs: &ReportsServer) -> bool {
         .and_then(|a| a.get(OWNER_ANNOTATION))
         .is_some_and(|o| *o == owner_key(rs))
 }
+
 pub(super) async fn get_opt<K>(api: &Api<K>, name: &str) -> Result<Option<K>, kube::Error>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     api.get_opt(name).await
 }
+
 pub(super) fn secret_str(secret: &Secret, key: &str) -> Option<String> {
     secret
         .data
@@ -78,6 +89,7 @@ pub(super) fn secret_str(secret: &Secret, key: &str) -> Option<String> {
                 .and_then(|d| d.get(key).cloned())
         })
 }
+
 pub(super) fn owner_reference(rs: &ReportsServer) -> Value {
     json!({
         "apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
@@ -85,6 +97,7 @@ pub(super) fn owner_reference(rs: &ReportsServer) -> Value {
         "controller": true, "blockOwnerDeletion": true,
     })
 }
+
 pub(super) async fn delete_ignoring_missing<K>(api: &Api<K>, name: &str) -> Result<(), kube::Error>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,

@@ -64,6 +64,7 @@ pub enum Error {
     #[error("waiting: {0}")]
     HandBackPending(String),
 }
+
 impl Error {
     /// Whether this is the hand-back wait (requeued at the progress interval, no backoff).
     fn is_hand_back_pending(&self) -> bool {
@@ -77,6 +78,7 @@ impl Error {
         }
     }
 }
+
 /// Operator settings (the binary maps flags and environment onto it).
 #[derive(Clone, Debug)]
 pub struct OperatorConfig {
@@ -97,6 +99,7 @@ pub struct OperatorConfig {
     /// Events' reporting instance (the pod name).
     pub instance: Option<String>,
 }
+
 impl Default for OperatorConfig {
     fn default() -> Self {
         OperatorConfig {
@@ -111,6 +114,7 @@ impl Default for OperatorConfig {
         }
     }
 }
+
 /// Shared state of the reconciler.
 pub struct Context {
     pub client: Client,
@@ -121,6 +125,7 @@ pub struct Context {
     /// What each installation's servers last said of their database (`database_check`).
     databases: Mutex<HashMap<ObjectRef<ReportsServer>, Observation>>,
 }
+
 impl Context {
     pub fn new(client: Client, config: OperatorConfig, metrics: Metrics) -> Self {
         let reporter = Reporter {
@@ -168,11 +173,13 @@ impl Context {
         }
     }
 }
+
 /// Reconciles one ReportsServer (wrapped in the finalizer).
 pub async fn reconcile(rs: Arc<ReportsServer>, ctx: Arc<Context>) -> Result<Action, Error> {
     let span = tracing::info_span!("reconcile", namespace = rs.namespace().unwrap_or_default(), name = %rs.name_any());
     reconcile_in(rs, ctx).instrument(span).await
 }
+
 async fn reconcile_in(rs: Arc<ReportsServer>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     let ns = rs
@@ -196,6 +203,7 @@ async fn reconcile_in(rs: Arc<ReportsServer>, ctx: Arc<Context>) -> Result<Actio
     }
     result
 }
+
 /// Backoff after a failed reconcile: 1 s, 2 s, 4 s, ... up to `max_backoff`.
 pub fn error_policy(rs: Arc<ReportsServer>, error: &Error, ctx: Arc<Context>) -> Action {
     if error.is_hand_back_pending() {
@@ -213,12 +221,14 @@ pub fn error_policy(rs: Arc<ReportsServer>, error: &Error, ctx: Arc<Context>) ->
     tracing::warn!(name = %rs.name_any(), error = %error, attempt = n, ?delay, "reconcile failed");
     Action::requeue(delay)
 }
+
 /// Maps an APIService we manage to its ReportsServer (from the owner annotation).
 fn owner_of(api: APIService) -> Option<ObjectRef<ReportsServer>> {
     let owner = api.annotations().get(OWNER_ANNOTATION)?;
     let (ns, name) = owner.split_once('/')?;
     Some(ObjectRef::new(name).within(ns))
 }
+
 /// Runs the controller until `stop` fires (shutdown, or the end of this replica's term as
 /// leader), letting running reconciles finish.
 pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {

@@ -27,6 +27,7 @@ use super::{Context, Error};
 pub(super) fn hands_back(rs: &ReportsServer) -> bool {
     rs.spec.migration.enabled && rs.spec.migration.hand_back_on_delete
 }
+
 /// Whether an APIService routes to this installation's Service.
 pub(super) fn routes_to_us(api: &APIService, rs: &ReportsServer) -> bool {
     api.spec
@@ -37,6 +38,7 @@ pub(super) fn routes_to_us(api: &APIService, rs: &ReportsServer) -> bool {
                 && svc.name.as_deref() == Some(&desired::service_name(rs))
         })
 }
+
 /// A handed-back APIService is kube-apiserver's again: our owner annotation and labels go, so
 /// neither the finalizer nor a later ReportsServer of the same name mistakes it for its own.
 pub(super) async fn release_apiservice(
@@ -52,6 +54,7 @@ pub(super) async fn release_apiservice(
         .await?;
     Ok(())
 }
+
 /// What the server's migration worker last reported in the mailbox; `None` when no worker ever
 /// reported. Only a server running one can hand back; one that never reported (an external
 /// server started without `--migrate-from-crds`, a server that never came up) cannot, and
@@ -67,6 +70,7 @@ pub(super) async fn worker_report(
         .map(|cm| Report::from_data(&cm.data.unwrap_or_default()))
         .filter(|r| r.phase.is_some()))
 }
+
 /// `status.migration` from the worker's report (the previous one before any report).
 pub(super) fn migration_status(
     rs: &ReportsServer,
@@ -85,6 +89,7 @@ pub(super) fn migration_status(
         Time(k8s_openapi::jiff::Timestamp::now()),
     ))
 }
+
 /// "phase, copied of total[; last error]" for the messages of a migration that is under way.
 pub(super) fn migration_progress(
     m: &reports_server_crds::reportsserver::MigrationStatus,
@@ -106,10 +111,13 @@ pub(super) fn migration_progress(
         }
     )
 }
+
 /// Deletion with `spec.migration.handBackOnDelete`: the mailbox asks the server to serve no
 /// group, and deletion waits (status shows the progress) until the server has written every
 /// report back into CRD storage and given the APIServices back.
+#[tracing::instrument(name = "hand_back", level = "debug", skip_all)]
 pub(super) async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
+    tracing::debug!("the reports handed back to CRD storage");
     let ns = rs.namespace().unwrap_or_default();
     let apiservices: Api<APIService> = Api::all(ctx.client.clone());
     let mut routed = Vec::new();
@@ -185,9 +193,12 @@ pub(super) async fn hand_back(rs: &ReportsServer, ctx: &Context) -> Result<(), E
     .await;
     Ok(())
 }
+
 /// Deletion: the hand-back when asked for, then APIServices, then what ownerReferences cannot
 /// reach.
+#[tracing::instrument(name = "cleanup", level = "debug", skip_all)]
 pub(super) async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action, Error> {
+    tracing::debug!("the finalizer: APIServices first, then cluster-scoped objects");
     if hands_back(rs) {
         hand_back(rs, ctx).await?;
     }
