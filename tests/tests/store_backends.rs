@@ -371,6 +371,70 @@ async fn small_and_bulk_rounds_leave_the_same_rows() {
     }
 }
 
+/// A lease row has one holder: of two candidates creating it, the second is told it lost (on
+/// MySQL an `INSERT` that meets the row must not count as taking it), and a takeover names the
+/// record it replaces.
+#[tokio::test]
+async fn a_new_lease_row_goes_to_one_candidate() {
+    let duration = Duration::from_secs(30);
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(backend, dir.path()).await;
+        let first = store.lease_acquire("merge", "a", None, duration).await;
+        let first = first.unwrap().unwrap_or_else(|| panic!("{backend:?}: nobody held it"));
+        let second = store.lease_acquire("merge", "b", None, duration).await;
+        assert_eq!(second.unwrap(), None, "{backend:?}: b created a row a holds");
+        let read = store.lease_read("merge").await.unwrap();
+        assert_eq!(read.as_ref(), Some(&first), "{backend:?}");
+        let taken = store.lease_acquire("merge", "b", Some(&first), duration);
+        let taken = taken.await.unwrap().expect("b takes over the record it saw");
+        let stale = store.lease_acquire("merge", "c", Some(&first), duration).await;
+        assert_eq!(stale.unwrap(), None, "{backend:?}: c replaced a record b had replaced");
+        assert_eq!(store.lease_read("merge").await.unwrap(), Some(taken));
+    }
+}
+
+/// Names, label keys and values, and rule names that differ only in case are different, as
+/// they are in Kubernetes: MySQL's usual collations (`utf8mb4_general_ci`, MySQL 8's
+/// `utf8mb4_0900_ai_ci`) compare text case-insensitively, which would merge them.
+#[tokio::test]
+async fn text_that_differs_only_in_case_stays_apart() {
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(backend, dir.path()).await;
+        let mut lower = report("ns", 1, &[("team", "payments")]);
+        lower["metadata"]["labels"]["Team"] = json!("Payments");
+        lower["results"][0]["rule"] = json!("check-team");
+        lower["results"][1]["rule"] = json!("Check-Team");
+        put(&store, "ns", "report", lower.clone()).await;
+        let mut upper = report("ns", 2, &[("team", "Payments")]);
+        upper["metadata"]["name"] = json!("Report");
+        put(&store, "ns", "Report", upper).await;
+        assert_eq!(store.count(&POLICY_REPORT).await.unwrap(), 2, "{backend:?}");
+        let stored = store.get_object(&POLICY_REPORT, "ns", "report").await;
+        let stored = stored.unwrap().expect("report");
+        assert_eq!(stored["metadata"]["labels"], lower["metadata"]["labels"]);
+        assert_eq!(stored["results"], lower["results"], "{backend:?}");
+        for (selector, expected) in [
+            ("team=payments", vec!["report"]),
+            ("team=Payments", vec!["Report"]),
+            ("Team=Payments", vec!["report"]),
+            ("Team", vec!["report"]),
+        ] {
+            let page = store
+                .list(&ListQuery {
+                    labels: LabelSelector::parse(selector).unwrap(),
+                    metadata_only: true,
+                    ..ListQuery::all(&POLICY_REPORT)
+                })
+                .await
+                .unwrap();
+            let names: Vec<&str> = page.rows.iter().map(|r| r.name.as_str()).collect();
+            assert_eq!(names, expected, "{backend:?}: {selector}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn compaction_advances_the_horizon() {
     for backend in Backend::ALL {
