@@ -1205,6 +1205,7 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
         assert_eq!(
             undone,
             [
+                "m20261127_000008_mysql_binary_collation",
                 "m20261125_000007_sqlite_lz4_bodies",
                 "m20261125_000006_lz4_bodies",
                 "m20261125_000005_lean_results"
