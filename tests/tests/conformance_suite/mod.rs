@@ -2282,14 +2282,14 @@ pub async fn metadata_is_stored_in_indexed_columns_and_results_one_row_each(back
     assert_eq!(text!(row, "resource"), "policyreports.wgpolicyk8s.io");
 
     let labels_sql = format!(
-        "SELECT l.key AS key, l.value AS value FROM object_labels l JOIN objects o ON o.id = l.object_id WHERE o.namespace = 'sql' AND o.name = '{name}' ORDER BY l.key"
+        "SELECT l.key AS label_key, l.value AS label_value FROM object_labels l JOIN objects o ON o.id = l.object_id WHERE o.namespace = 'sql' AND o.name = '{name}' ORDER BY l.key"
     );
     let labels: BTreeMap<String, String> = store
         .query_raw(&labels_sql)
         .await
         .unwrap()
         .iter()
-        .map(|r| (text!(r, "key"), text!(r, "value")))
+        .map(|r| (text!(r, "label_key"), text!(r, "label_value")))
         .collect();
     assert_eq!(Some(labels), created.metadata.labels, "{backend:?}");
 
@@ -2381,7 +2381,7 @@ pub async fn metadata_is_stored_in_indexed_columns_and_results_one_row_each(back
     let team = store.query_raw(&labels_sql).await.unwrap();
     assert!(
         team.iter()
-            .any(|r| text!(r, "key") == "team" && text!(r, "value") == "risk")
+            .any(|r| text!(r, "label_key") == "team" && text!(r, "label_value") == "risk")
     );
     let results = store.query_raw(&results_sql).await.unwrap();
     assert!(results.iter().all(|r| text!(r, "result") == "pass"));
