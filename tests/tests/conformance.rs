@@ -10,6 +10,5 @@ on_backends!(sqlite: Sqlite, postgres: Postgres);
 /// a running process, so this one runs on the database servers only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_outage_is_503_not_404_postgres() {
-    conformance_suite::database_outage_is_503_not_404(reports_server_tests::Backend::Postgres)
-        .await
+    conformance_suite::database_outage_is_503_not_404(reports_server_tests::Backend::Postgres).await
 }

@@ -10,6 +10,5 @@ on_backends!(mariadb: MariaDb);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_outage_is_503_not_404_mariadb() {
-    conformance_suite::database_outage_is_503_not_404(reports_server_tests::Backend::MariaDb)
-        .await
+    conformance_suite::database_outage_is_503_not_404(reports_server_tests::Backend::MariaDb).await
 }

@@ -381,15 +381,30 @@ async fn a_new_lease_row_goes_to_one_candidate() {
         let dir = tempfile::tempdir().unwrap();
         let (store, _) = open(backend, dir.path()).await;
         let first = store.lease_acquire("merge", "a", None, duration).await;
-        let first = first.unwrap().unwrap_or_else(|| panic!("{backend:?}: nobody held it"));
+        let first = first
+            .unwrap()
+            .unwrap_or_else(|| panic!("{backend:?}: nobody held it"));
         let second = store.lease_acquire("merge", "b", None, duration).await;
-        assert_eq!(second.unwrap(), None, "{backend:?}: b created a row a holds");
+        assert_eq!(
+            second.unwrap(),
+            None,
+            "{backend:?}: b created a row a holds"
+        );
         let read = store.lease_read("merge").await.unwrap();
         assert_eq!(read.as_ref(), Some(&first), "{backend:?}");
         let taken = store.lease_acquire("merge", "b", Some(&first), duration);
-        let taken = taken.await.unwrap().expect("b takes over the record it saw");
-        let stale = store.lease_acquire("merge", "c", Some(&first), duration).await;
-        assert_eq!(stale.unwrap(), None, "{backend:?}: c replaced a record b had replaced");
+        let taken = taken
+            .await
+            .unwrap()
+            .expect("b takes over the record it saw");
+        let stale = store
+            .lease_acquire("merge", "c", Some(&first), duration)
+            .await;
+        assert_eq!(
+            stale.unwrap(),
+            None,
+            "{backend:?}: c replaced a record b had replaced"
+        );
         assert_eq!(store.lease_read("merge").await.unwrap(), Some(taken));
     }
 }
@@ -966,11 +981,17 @@ async fn a_failing_statement_fails_only_its_writer_on(backend: Backend) {
     for (w, task) in tasks.into_iter().enumerate() {
         match task.await.unwrap() {
             Ok(outcome) => {
-                assert_ne!(w as u64, bad, "{backend:?}: the refused label value was stored");
+                assert_ne!(
+                    w as u64, bad,
+                    "{backend:?}: the refused label value was stored"
+                );
                 acknowledged.push(outcome.resource_version);
             }
             Err(e) => {
-                assert_eq!(w as u64, bad, "{backend:?}: writer {w} failed with another's error: {e}");
+                assert_eq!(
+                    w as u64, bad,
+                    "{backend:?}: writer {w} failed with another's error: {e}"
+                );
                 assert!(matches!(e, StoreError::Database(_)), "{e:?}");
             }
         }
@@ -1021,7 +1042,10 @@ async fn a_failing_statement_fails_only_its_writer_on(backend: Backend) {
                 acknowledged.push(outcome.resource_version);
             }
             (w, Err(e)) => {
-                assert_eq!(w, bad_update, "{backend:?}: writer {w} failed with another's error: {e}");
+                assert_eq!(
+                    w, bad_update,
+                    "{backend:?}: writer {w} failed with another's error: {e}"
+                );
                 assert!(matches!(e, StoreError::Database(_)), "{e:?}");
             }
         }

@@ -24,8 +24,8 @@
 use std::time::Duration;
 
 use reports_server_aggregator::election::{LeaseSnapshot, LeaseStore};
-use sea_orm::{ConnectionTrait, DbBackend, SqlErr};
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict, Query};
+use sea_orm::{ConnectionTrait, DbBackend, SqlErr};
 
 use super::migration::m20261122_000002_aggregator_lease::Leases;
 use super::{Store, StoreError};
@@ -130,7 +130,10 @@ impl Store {
                 match self.connection().execute(&insert).await {
                     Err(e)
                         if mysql
-                            && matches!(e.sql_err(), Some(SqlErr::UniqueConstraintViolation(_))) =>
+                            && matches!(
+                                e.sql_err(),
+                                Some(SqlErr::UniqueConstraintViolation(_))
+                            ) =>
                     {
                         return Ok(None);
                     }

@@ -776,8 +776,9 @@ fn cut_off(backend: Backend, database_url: &str, cut: bool) {
         }
         (Backend::MariaDb, true) => reports_server_tests::mariadb::lock_out(database_url)
             .unwrap_or_else(|e| panic!("{e:#}")),
-        (Backend::MariaDb, false) => reports_server_tests::mariadb::let_in(database_url)
-            .unwrap_or_else(|e| panic!("{e:#}")),
+        (Backend::MariaDb, false) => {
+            reports_server_tests::mariadb::let_in(database_url).unwrap_or_else(|e| panic!("{e:#}"))
+        }
         (Backend::Sqlite, _) => panic!("an outage of the embedded SQLite cannot be staged"),
     }
 }
