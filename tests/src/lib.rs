@@ -53,6 +53,10 @@ pub enum Backend {
 impl Backend {
     pub const ALL: [Backend; 3] = [Backend::Sqlite, Backend::Postgres, Backend::MariaDb];
 
+    /// For the suites not yet run on MariaDB (issue 34 part 8 covered the store and conformance
+    /// suites, and the API suites that pass there within their time); each use says why.
+    pub const SQLITE_AND_POSTGRES: [Backend; 2] = [Backend::Sqlite, Backend::Postgres];
+
     /// A fresh database of this backend (`None` = the server's embedded SQLite file).
     pub fn database_url(self, dir: &Path) -> anyhow::Result<String> {
         match self {
