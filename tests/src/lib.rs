@@ -1,5 +1,5 @@
 //! Shared harness for the end-to-end and conformance tests: real server processes, real
-//! PostgreSQL, real kubectl, and the Go-built control plane.
+//! PostgreSQL and MariaDB, real kubectl, and the Go-built control plane.
 //!
 //! A test that lacks a dependency fails with a message naming what to install; none skips.
 
@@ -10,6 +10,7 @@ pub mod json_log;
 pub mod kubectl;
 pub mod kyverno;
 pub mod kyverno_fixtures;
+pub mod mariadb;
 pub mod node;
 pub mod objects;
 pub mod operator;
@@ -46,10 +47,16 @@ pub async fn kube_client_with_retries(
 pub enum Backend {
     Sqlite,
     Postgres,
+    /// MariaDB through the store's MySQL driver (`mysql://` URLs): see [`mariadb`].
+    MariaDb,
 }
 
 impl Backend {
-    pub const ALL: [Backend; 2] = [Backend::Sqlite, Backend::Postgres];
+    pub const ALL: [Backend; 3] = [Backend::Sqlite, Backend::Postgres, Backend::MariaDb];
+
+    /// For the suites not yet run on MariaDB (issue 34 part 8 covered the store and conformance
+    /// suites, and the API suites that pass there within their time); each use says why.
+    pub const SQLITE_AND_POSTGRES: [Backend; 2] = [Backend::Sqlite, Backend::Postgres];
 
     /// A fresh database of this backend (`None` = the server's embedded SQLite file).
     pub fn database_url(self, dir: &Path) -> anyhow::Result<String> {
@@ -59,6 +66,7 @@ impl Backend {
                 dir.join("reports.db").display()
             )),
             Backend::Postgres => postgres::fresh_database(),
+            Backend::MariaDb => mariadb::fresh_database(),
         }
     }
 }

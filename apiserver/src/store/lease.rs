@@ -24,8 +24,8 @@
 use std::time::Duration;
 
 use reports_server_election::{LeaseSnapshot, LeaseStore};
-use sea_orm::ConnectionTrait;
 use sea_orm::sea_query::{Expr, ExprTrait, OnConflict, Query};
+use sea_orm::{ConnectionTrait, DbBackend, SqlErr};
 
 use super::migration::m20261122_000002_aggregator_lease::Leases;
 use super::{Store, StoreError};
@@ -104,26 +104,41 @@ impl Store {
         };
         let result = match observed {
             None => {
-                self.connection()
-                    .execute(
-                        &Query::insert()
-                            .into_table(Leases::Table)
-                            .columns([
-                                Leases::Name,
-                                Leases::Holder,
-                                Leases::RenewedAt,
-                                Leases::ExpiresAt,
-                            ])
-                            .values_panic([
-                                name.into(),
-                                holder.into(),
-                                record.renewed_at.into(),
-                                record.expires_at.into(),
-                            ])
-                            .on_conflict(OnConflict::new().do_nothing().to_owned())
-                            .to_owned(),
-                    )
-                    .await?
+                let mut insert = Query::insert();
+                insert
+                    .into_table(Leases::Table)
+                    .columns([
+                        Leases::Name,
+                        Leases::Holder,
+                        Leases::RenewedAt,
+                        Leases::ExpiresAt,
+                    ])
+                    .values_panic([
+                        name.into(),
+                        holder.into(),
+                        record.renewed_at.into(),
+                        record.expires_at.into(),
+                    ]);
+                // MySQL has no `ON CONFLICT DO NOTHING`, and its stand-in `ON DUPLICATE KEY
+                // UPDATE name = name` counts the existing row as affected (sqlx connects with
+                // CLIENT_FOUND_ROWS), which would tell two candidates they both took the lease.
+                // There the plain INSERT's duplicate-key error is the "someone was first".
+                let mysql = self.backend() == DbBackend::MySql;
+                if !mysql {
+                    insert.on_conflict(OnConflict::new().do_nothing().to_owned());
+                }
+                match self.connection().execute(&insert).await {
+                    Err(e)
+                        if mysql
+                            && matches!(
+                                e.sql_err(),
+                                Some(SqlErr::UniqueConstraintViolation(_))
+                            ) =>
+                    {
+                        return Ok(None);
+                    }
+                    result => result?,
+                }
             }
             Some(o) => {
                 self.connection()

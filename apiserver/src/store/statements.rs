@@ -194,6 +194,9 @@ pub(super) fn multi_row_inserts<const N: usize>(
 }
 
 /// `INSERT INTO changes (…) … ON CONFLICT DO NOTHING`; [`Store::change_values`] gives a row.
+/// MySQL has no `ON CONFLICT`; sea-query renders a bare `do_nothing()` there as the invalid
+/// `ON DUPLICATE KEY IGNORE`, and `do_nothing_on` as its no-op `ON DUPLICATE KEY UPDATE rv = rv`
+/// (PostgreSQL and SQLite get the same `ON CONFLICT DO NOTHING` either way).
 pub(super) fn changes_head() -> InsertStatement {
     Query::insert()
         .into_table(Changes::Table)
@@ -209,7 +212,7 @@ pub(super) fn changes_head() -> InsertStatement {
             Changes::Body,
             Changes::CreatedAt,
         ])
-        .on_conflict(OnConflict::new().do_nothing().to_owned())
+        .on_conflict(OnConflict::new().do_nothing_on([Changes::Rv]).to_owned())
         .to_owned()
 }
 

@@ -14,6 +14,7 @@ pub(crate) mod m20261124_000004_one_body_copy;
 pub(crate) mod m20261125_000005_lean_results;
 pub(crate) mod m20261125_000006_lz4_bodies;
 pub(crate) mod m20261125_000007_sqlite_lz4_bodies;
+pub(crate) mod m20261127_000008_mysql_binary_collation;
 
 pub struct Migrator;
 
@@ -28,6 +29,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261125_000005_lean_results::Migration),
             Box::new(m20261125_000006_lz4_bodies::Migration),
             Box::new(m20261125_000007_sqlite_lz4_bodies::Migration),
+            Box::new(m20261127_000008_mysql_binary_collation::Migration),
         ]
     }
 }
