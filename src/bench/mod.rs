@@ -232,7 +232,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let phases = selected(&args)?;
     let dir = tempfile::tempdir()?;
     let baseline = memory()?;
-    let (client, kubeconfig, server) = connect(&args, dir.path()).await?;
+    let (client, kubeconfig, server) = connect(&args, &phases, dir.path()).await?;
     let mut pids = args.server_pids.clone();
     if server.is_some() {
         pids.push(("bench".to_owned(), std::process::id()));
@@ -273,6 +273,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 /// standalone server in this process. Prints what it is.
 async fn connect(
     args: &BenchArgs,
+    phases: &[&str],
     dir: &Path,
 ) -> anyhow::Result<(kube::Client, PathBuf, Option<RunningServer>)> {
     let (client, kubeconfig, server, kind) = match &args.kubeconfig {
@@ -307,7 +308,7 @@ async fn connect(
         "target {}: {kind}; {} build; phases: {}",
         args.target,
         build_kind(),
-        selected(args)?.join(",")
+        phases.join(",")
     );
     Ok((client, kubeconfig, server))
 }

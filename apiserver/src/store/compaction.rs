@@ -37,12 +37,7 @@ pub(super) async fn compact(store: &Store) -> Result<i64, StoreError> {
         return Ok(compacted);
     }
     let statements = [
-        Query::delete()
-            .from_table(Changes::Table)
-            .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
-            .and_where(Expr::col(Changes::Rv).lte(horizon))
-            .to_owned()
-            .into(),
+        drop_changes_through(store, horizon),
         Query::update()
             .table(StoreState::Table)
             .value(StoreState::CompactedRv, horizon)
@@ -53,6 +48,16 @@ pub(super) async fn compact(store: &Store) -> Result<i64, StoreError> {
     ];
     store.write_alone(|_| statements.to_vec()).await?;
     Ok(horizon)
+}
+
+/// `DELETE` of this cluster's change-log entries up to and including `rv`.
+fn drop_changes_through(store: &Store, rv: i64) -> Statement {
+    Query::delete()
+        .from_table(Changes::Table)
+        .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
+        .and_where(Expr::col(Changes::Rv).lte(rv))
+        .to_owned()
+        .into()
 }
 
 /// A statement of a transaction [`Store::write_alone`] runs.
@@ -126,12 +131,7 @@ pub(super) async fn raise_version_floor(
         .write_alone(|versions| {
             let (current, compacted) = raised(versions);
             vec![
-                Query::delete()
-                    .from_table(Changes::Table)
-                    .and_where(Expr::col(Changes::ClusterId).eq(store.cluster_id()))
-                    .and_where(Expr::col(Changes::Rv).lte(compacted))
-                    .to_owned()
-                    .into(),
+                drop_changes_through(store, compacted),
                 Query::update()
                     .table(StoreState::Table)
                     .value(StoreState::Rv, current)
