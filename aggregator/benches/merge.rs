@@ -2,6 +2,11 @@
 //!
 //! Prints figures instead of asserting them (timings belong in benchmarks, not tests). No
 //! criterion: one warm-up and a few timed rounds are enough to see orders of magnitude.
+//!
+//! Like criterion, it measures only when cargo says so (`cargo bench` passes `--bench`). Run
+//! any other way — `cargo test --benches`, the test runner's sweep of every built binary — it
+//! merges the smallest input once, which shows the bench still works without spending minutes
+//! of an unoptimized build on figures nobody reads.
 
 use std::time::{Duration, Instant};
 
@@ -29,9 +34,8 @@ fn inputs(pods: u64) -> (Vec<FinalReport>, Vec<Ephemeral>) {
     (reports, ephemerals)
 }
 
-fn time(label: &str, results: usize, mut f: impl FnMut() -> Plan) {
+fn time(label: &str, results: usize, rounds: usize, mut f: impl FnMut() -> Plan) {
     let _ = f();
-    let rounds = 3;
     let mut best = Duration::MAX;
     for _ in 0..rounds {
         let t = Instant::now();
@@ -47,7 +51,14 @@ fn time(label: &str, results: usize, mut f: impl FnMut() -> Plan) {
 }
 
 fn main() {
-    for pods in [100u64, 1000, 5000] {
+    let measuring = std::env::args().any(|a| a == "--bench");
+    let (sizes, rounds): (&[u64], usize) = if measuring {
+        (&[100, 1000, 5000], 3)
+    } else {
+        println!("test mode: one small round; `cargo bench -p reports-server-aggregator` measures");
+        (&[100], 1)
+    };
+    for &pods in sizes {
         let (reports, ephemerals) = inputs(pods);
         let results = pods as usize * 19 * 2;
         let input = MergeInput {
@@ -59,11 +70,13 @@ fn main() {
         time(
             &format!("per-resource, namespace-wide, {pods} pods"),
             results,
+            rounds,
             || merge_namespace(&input, &MergeOptions::default()),
         );
         time(
             &format!("per-resource, pages of 500, {pods} pods"),
             results,
+            rounds,
             || {
                 let mut plan = Plan::default();
                 for (r, e) in reports.chunks(500).zip(ephemerals.chunks(500)) {
@@ -84,6 +97,7 @@ fn main() {
         time(
             &format!("per-policy (chunks of 1000), {pods} pods"),
             results,
+            rounds,
             || merge_namespace(&input, &per_policy),
         );
     }

@@ -93,12 +93,17 @@ async fn list_all(
             );
             out.insert(key, item.clone());
         }
-        token = list["metadata"]["continue"]
+        let next = list["metadata"]["continue"]
             .as_str()
             .filter(|t| !t.is_empty())
             .map(str::to_owned);
-        if token.is_none() {
-            return Ok((out, rv));
+        match next {
+            None => return Ok((out, rv)),
+            // A server that hands the same token back would keep this loop (and CI) busy forever.
+            Some(t) if token.as_ref() == Some(&t) => {
+                bail!("GET {path} answered its own continue token again")
+            }
+            Some(t) => token = Some(t),
         }
     }
 }
@@ -1021,7 +1026,8 @@ async fn fence_exists(env: &Env) -> Result<bool> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migration_resumes_after_a_kill_in_each_phase() -> Result<()> {
     let _serial = SERIAL.lock().await;
-    let mut env = setup(report_count(10_000)? / 5).await?;
+    // The kills must land while data is copied: 1,000 reports at the throttled rate leave time.
+    let mut env = setup((report_count(10_000)? / 5).max(1_000)).await?;
     let rounds = [
         ("copy", "copied", false),
         ("fence", "fence up", false),
@@ -1169,8 +1175,9 @@ fn start_operator(env: &Env, log: &std::path::Path) -> Result<std::process::Chil
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_moves_reports_in_and_hands_them_back_on_delete() -> Result<()> {
     let _serial = SERIAL.lock().await;
-    // A tenth of the main test's size: the kills, not the volume, are what this test is about.
-    let mut env = setup(report_count(10_000)? / 10).await?;
+    // A tenth of the main test's size: the kills, not the volume, are what this test is about;
+    // at least 500, so that the copy lasts long enough for them (5 s at the throttled rate).
+    let mut env = setup((report_count(10_000)? / 10).max(500)).await?;
     let client = env.client.clone();
 
     // The ReportsServer CRD (from install.yaml) and the operator.

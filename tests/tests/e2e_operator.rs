@@ -248,7 +248,7 @@ async fn e2e_operator_external_mode() -> Result<()> {
     let steps = reports_server_tests::json_log::steps_under(
         &log,
         "reconcile",
-        ("name", "reports-server"),
+        ("reports_server", "reports-server"),
         &[
             "prepare_database",
             "prepare_tls",

@@ -16,6 +16,7 @@ mod schedule;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Result;
 use clap::Parser;
@@ -55,6 +56,15 @@ struct TestArgs {
     /// these; repeatable.
     #[arg(long = "only", value_name = "NAME")]
     only: Vec<String>,
+    /// How long one test binary may run before it is killed and counted as failed (its log
+    /// then names the tests still running). The slowest binary takes ~15 min on a busy 2-core
+    /// CI machine; a hang should not take the rest of CI's 90 minutes with it.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_TEST_TIMEOUT_MINUTES",
+        default_value_t = 30
+    )]
+    timeout_minutes: u64,
     /// Arguments given to every test binary, after `--`: a test-name filter, `--nocapture`,
     /// `--test-threads 1`.
     #[arg(last = true)]
@@ -104,6 +114,7 @@ fn test(args: TestArgs) -> Result<bool> {
         log_dir: target_dir.join("xtask").join("logs"),
         test_args: args.test_args,
         server_binary: built.server_binary,
+        timeout: Duration::from_secs(args.timeout_minutes * 60),
     };
     let (alone, together): (Vec<_>, Vec<_>) = jobs
         .into_iter()

@@ -19,6 +19,9 @@ pub struct Settings {
     pub log_dir: PathBuf,
     pub test_args: Vec<String>,
     pub server_binary: Option<PathBuf>,
+    /// How long one binary may run before it is killed and counted as failed: a hung test
+    /// then costs this, not the rest of CI's time, and its log names what was still running.
+    pub timeout: Duration,
 }
 
 /// How one job ended.
@@ -27,6 +30,8 @@ pub struct Outcome {
     pub wall: Duration,
     /// `None` when the process could not be started at all.
     pub status: Option<ExitStatus>,
+    /// Killed at [`Settings::timeout`].
+    pub timed_out: bool,
     pub spawn_error: Option<String>,
     pub counts: Counts,
     pub log: PathBuf,
@@ -34,7 +39,7 @@ pub struct Outcome {
 
 impl Outcome {
     pub fn passed(&self) -> bool {
-        self.status.is_some_and(|s| s.success())
+        !self.timed_out && self.status.is_some_and(|s| s.success())
     }
 }
 
@@ -132,21 +137,30 @@ fn run_one(job: &Job, settings: &Settings) -> Outcome {
     let counts = std::fs::read_to_string(&log)
         .map(|text| count_results(&text))
         .unwrap_or_default();
-    let (status, spawn_error) = match result {
-        Ok(status) => (Some(status), None),
-        Err(e) => (None, Some(format!("{e:#}"))),
+    let (status, timed_out, spawn_error) = match result {
+        Ok(Ended::Exited(status)) => (Some(status), false, None),
+        Ok(Ended::Killed(status)) => (Some(status), true, None),
+        Err(e) => (None, false, Some(format!("{e:#}"))),
     };
     Outcome {
         name: job.name.clone(),
         wall,
         status,
+        timed_out,
         spawn_error,
         counts,
         log,
     }
 }
 
-fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<ExitStatus> {
+/// How a job's process ended.
+enum Ended {
+    Exited(ExitStatus),
+    /// Killed at the timeout.
+    Killed(ExitStatus),
+}
+
+fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<Ended> {
     let out = File::create(log).with_context(|| format!("creating {}", log.display()))?;
     let mut command = Command::new(&job.program);
     // Not even cargo test's own package variables: a test that runs cargo (to build an image)
@@ -166,12 +180,68 @@ fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<ExitS
     let mut child = command
         .spawn()
         .with_context(|| format!("starting {}", job.program.display()))?;
-    Ok(child.wait()?)
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Ended::Exited(status));
+        }
+        if started.elapsed() >= settings.timeout {
+            // The servers, control planes and databases a test starts die with it (they are
+            // tied to the test process), so killing the binary frees its ports and cores.
+            child.kill()?;
+            let status = child.wait()?;
+            let unfinished = unfinished_tests(&std::fs::read_to_string(log).unwrap_or_default());
+            let mut out = std::fs::OpenOptions::new().append(true).open(log)?;
+            use std::io::Write as _;
+            writeln!(
+                out,
+                "\nxtask: killed after {:.0} s (--timeout-minutes); still running: {}",
+                settings.timeout.as_secs_f64(),
+                if unfinished.is_empty() {
+                    "(libtest had not said)".to_owned()
+                } else {
+                    unfinished.join(", ")
+                }
+            )?;
+            return Ok(Ended::Killed(status));
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// The tests libtest said had been running for over 60 seconds and that never ended (a
+/// captured test's output is only printed when it ends, so this is what a killed binary's log
+/// can tell).
+fn unfinished_tests(log: &str) -> Vec<String> {
+    let long: Vec<&str> = log
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("test ")?
+                .strip_suffix(" has been running for over 60 seconds")
+        })
+        .collect();
+    long.into_iter()
+        .filter(|name| {
+            !log.lines().any(|l| {
+                l.strip_prefix("test ")
+                    .and_then(|rest| rest.strip_prefix(*name))
+                    .is_some_and(|rest| rest.starts_with(" ... "))
+            })
+        })
+        .map(str::to_owned)
+        .collect()
 }
 
 fn describe(outcome: &Outcome) -> String {
     if let Some(e) = &outcome.spawn_error {
         return e.clone();
+    }
+    if outcome.timed_out {
+        return format!(
+            "killed at the timeout after {:.0} s; {} passed before",
+            outcome.wall.as_secs_f64(),
+            outcome.counts.passed
+        );
     }
     let c = outcome.counts;
     let mut text = format!("{} passed", c.passed);
@@ -271,6 +341,7 @@ mod tests {
             log_dir: std::env::temp_dir().join(format!("xtask-run-{}", std::process::id())),
             test_args: Vec::new(),
             server_binary: None,
+            timeout: Duration::from_secs(60),
         };
         let started = Instant::now();
         let outcomes = run_all(
@@ -286,6 +357,39 @@ mod tests {
             "{took:?}"
         );
         std::fs::remove_dir_all(&settings.log_dir).unwrap();
+    }
+
+    #[test]
+    fn a_job_past_the_timeout_is_killed_and_fails() {
+        let settings = Settings {
+            jobs: 1,
+            log_dir: std::env::temp_dir().join(format!("xtask-timeout-{}", std::process::id())),
+            test_args: Vec::new(),
+            server_binary: None,
+            timeout: Duration::from_millis(500),
+        };
+        let job = Job {
+            name: "hangs".to_owned(),
+            program: "sleep".into(),
+            args: vec!["30".into()],
+            cwd: std::env::temp_dir(),
+        };
+        let started = Instant::now();
+        let outcomes = run_all(vec![job], &settings).unwrap();
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(outcomes[0].timed_out && !outcomes[0].passed());
+        let log = std::fs::read_to_string(&outcomes[0].log).unwrap();
+        assert!(log.contains("killed after"), "{log}");
+        std::fs::remove_dir_all(&settings.log_dir).unwrap();
+    }
+
+    #[test]
+    fn the_tests_still_running_at_a_kill_are_named() {
+        let log = "running 3 tests\n\
+                   test a has been running for over 60 seconds\n\
+                   test b has been running for over 60 seconds\n\
+                   test a ... ok\n";
+        assert_eq!(unfinished_tests(log), vec!["b".to_owned()]);
     }
 
     #[test]

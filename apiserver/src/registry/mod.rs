@@ -36,7 +36,7 @@ pub use list::{ListOptions, ListPageStream, ListResult};
 pub use operations::{Imported, Patch, Registry, WriteOptions, Written, same_content};
 pub use rules::{
     DeletePreconditions, FieldValidation, INTERNAL_MANAGER, Validation, decide_apply,
-    decide_delete, decide_update, decide_update_as, prepare_create, prepare_create_as, stamp_new,
+    decide_delete, decide_update, prepare_create, stamp_new,
 };
 
 /// A collection of one served kind: all namespaces, one namespace, or the cluster scope.

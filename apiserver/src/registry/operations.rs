@@ -8,8 +8,7 @@ use serde_json::Value;
 use super::list::{ListPageStream, check_continue_version, check_list_version, list_query};
 use super::patch::{ObjectLimits, PatchFailure, apply_json_patch, apply_merge_patch};
 use super::rules::{
-    DeletePreconditions, Validation, decide_apply, decide_delete, decide_update_as,
-    prepare_create_as,
+    DeletePreconditions, Validation, decide_apply, decide_delete, decide_update, prepare_create,
 };
 use super::{Admission, ListOptions, ListResult, RegistryError, ResourceRef};
 use crate::store::write_target::Target;
@@ -185,7 +184,7 @@ impl Registry {
         options: &WriteOptions,
     ) -> Result<Written, RegistryError> {
         let (object, name, warnings) =
-            prepare_create_as(r, object, &options.validation, &options.manager)?;
+            prepare_create(r, object, &options.validation, &options.manager)?;
         if let (Some(admission), Some(namespace)) = (&self.admission, &r.namespace) {
             admission.admit_create(namespace).await?;
         }
@@ -328,7 +327,7 @@ impl Registry {
                     let current =
                         current.ok_or_else(|| RegistryError::not_found(r.resource, name))?;
                     let desired = desired(&current)?;
-                    let (mutation, _, w) = decide_update_as(
+                    let (mutation, _, w) = decide_update(
                         r,
                         name,
                         Some(current),

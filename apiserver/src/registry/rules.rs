@@ -242,19 +242,10 @@ fn random_suffix() -> String {
         .collect()
 }
 
-/// Prepares an object for creation: resolves `generateName`, validates the name and sets the
-/// server-owned metadata. Returns the object and its name. The server itself is the field
-/// manager; requests use [`prepare_create_as`].
+/// Prepares an object for creation on behalf of field manager `manager`, who then owns every
+/// field (the server's own writes pass [`INTERNAL_MANAGER`]): resolves `generateName`, validates
+/// the name and sets the server-owned metadata. Returns the object and its name.
 pub fn prepare_create(
-    path: &ResourceRef,
-    object: Value,
-    validation: &Validation,
-) -> Result<(Value, String, Vec<String>), RegistryError> {
-    prepare_create_as(path, object, validation, INTERNAL_MANAGER)
-}
-
-/// [`prepare_create`] on behalf of field manager `manager`, who then owns every field.
-pub fn prepare_create_as(
     path: &ResourceRef,
     object: Value,
     validation: &Validation,
@@ -341,21 +332,11 @@ fn content(object: &Value) -> Map<String, Value> {
     map
 }
 
-/// Decides an update of `current` to `desired` (a PUT body or a patched object): optimistic
-/// concurrency, server-owned metadata, generation bump, finalizer-driven deletion. The server
-/// itself is the field manager; requests use [`decide_update_as`].
+/// Decides an update of `current` to `desired` (a PUT body or a patched object) on behalf of
+/// field manager `manager`, who then owns what it changed (the server's own writes pass
+/// [`INTERNAL_MANAGER`]): optimistic concurrency, server-owned metadata, generation bump,
+/// finalizer-driven deletion.
 pub fn decide_update(
-    path: &ResourceRef,
-    name: &str,
-    current: Option<Value>,
-    desired: Value,
-    validation: &Validation,
-) -> Result<(Mutation, Value, Vec<String>), RegistryError> {
-    decide_update_as(path, name, current, desired, validation, INTERNAL_MANAGER)
-}
-
-/// [`decide_update`] on behalf of field manager `manager`, who then owns what it changed.
-pub fn decide_update_as(
     path: &ResourceRef,
     name: &str,
     current: Option<Value>,
@@ -736,14 +717,14 @@ mod tests {
     fn field_validation_modes() {
         let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports");
         let body = json!({"metadata": {"name": "x"}, "summry": {"pass": 1}});
-        let (obj, _, warnings) = prepare_create(&p, body.clone(), &V).unwrap();
+        let (obj, _, warnings) = prepare_create(&p, body.clone(), &V, INTERNAL_MANAGER).unwrap();
         assert_eq!(warnings, ["unknown field \"summry\""]);
         assert!(obj.get("summry").is_none());
         let strict = Validation {
             mode: FieldValidation::Strict,
             duplicates: vec!["metadata.name".into()],
         };
-        let err = prepare_create(&p, body.clone(), &strict).unwrap_err();
+        let err = prepare_create(&p, body.clone(), &strict, INTERNAL_MANAGER).unwrap_err();
         assert_eq!(err.reason(), "BadRequest");
         assert!(
             err.to_string().contains("unknown field \"summry\"")
@@ -757,7 +738,12 @@ mod tests {
             mode: FieldValidation::Ignore,
             duplicates: Vec::new(),
         };
-        assert!(prepare_create(&p, body, &ignore).unwrap().2.is_empty());
+        assert!(
+            prepare_create(&p, body, &ignore, INTERNAL_MANAGER)
+                .unwrap()
+                .2
+                .is_empty()
+        );
     }
 
     /// The collection a path after `/apis/` names (object names are passed separately).
@@ -778,6 +764,7 @@ mod tests {
             &p,
             json!({"metadata": {"generateName": "r-", "uid": "mine"}}),
             &V,
+            INTERNAL_MANAGER,
         )
         .unwrap();
         assert!(name.starts_with("r-") && name.len() == 7, "{name}");
@@ -791,28 +778,39 @@ mod tests {
     fn create_rejects_bad_input() {
         let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports");
         assert_eq!(
-            prepare_create(&p, json!({"metadata": {}}), &V)
+            prepare_create(&p, json!({"metadata": {}}), &V, INTERNAL_MANAGER)
                 .unwrap_err()
                 .reason(),
             "Invalid"
         );
         assert_eq!(
-            prepare_create(&p, json!({"metadata": {"name": "Bad_Name"}}), &V)
-                .unwrap_err()
-                .reason(),
+            prepare_create(
+                &p,
+                json!({"metadata": {"name": "Bad_Name"}}),
+                &V,
+                INTERNAL_MANAGER
+            )
+            .unwrap_err()
+            .reason(),
             "Invalid"
         );
         assert_eq!(
-            prepare_create(&p, json!({"kind": "Pod", "metadata": {"name": "x"}}), &V)
-                .unwrap_err()
-                .reason(),
+            prepare_create(
+                &p,
+                json!({"kind": "Pod", "metadata": {"name": "x"}}),
+                &V,
+                INTERNAL_MANAGER
+            )
+            .unwrap_err()
+            .reason(),
             "BadRequest"
         );
         assert_eq!(
             prepare_create(
                 &p,
                 json!({"metadata": {"name": "x", "namespace": "other"}}),
-                &V
+                &V,
+                INTERNAL_MANAGER
             )
             .unwrap_err()
             .reason(),
@@ -822,6 +820,7 @@ mod tests {
             &p,
             json!({"metadata": {"name": "x"}, "results": [{"policy": "p", "result": "maybe"}]}),
             &V,
+            INTERNAL_MANAGER,
         )
         .unwrap_err();
         assert_eq!(err.reason(), "Invalid");
@@ -838,7 +837,7 @@ mod tests {
         let mut stale = current.clone();
         stale["metadata"]["resourceVersion"] = json!("4");
         assert_eq!(
-            decide_update(&p, "x", Some(current.clone()), stale, &V)
+            decide_update(&p, "x", Some(current.clone()), stale, &V, INTERNAL_MANAGER)
                 .unwrap_err()
                 .reason(),
             "Conflict"
@@ -850,7 +849,7 @@ mod tests {
             .unwrap()
             .remove("resourceVersion");
         assert_eq!(
-            decide_update(&p, "x", Some(current.clone()), norv, &V)
+            decide_update(&p, "x", Some(current.clone()), norv, &V, INTERNAL_MANAGER)
                 .unwrap_err()
                 .reason(),
             "Invalid"
@@ -858,27 +857,50 @@ mod tests {
         // label-only change keeps generation
         let mut relabel = current.clone();
         relabel["metadata"]["labels"] = json!({"a": "b"});
-        let (_, out, _) = decide_update(&p, "x", Some(current.clone()), relabel, &V).unwrap();
+        let (_, out, _) = decide_update(
+            &p,
+            "x",
+            Some(current.clone()),
+            relabel,
+            &V,
+            INTERNAL_MANAGER,
+        )
+        .unwrap();
         assert_eq!(out["metadata"]["generation"], 1);
         // content change bumps generation, server fields kept
         let mut changed = current.clone();
         changed["summary"]["pass"] = json!(2);
         changed["metadata"]["uid"] = json!("u");
         changed["metadata"]["creationTimestamp"] = json!("2030-01-01T00:00:00Z");
-        let (m, out, _) = decide_update(&p, "x", Some(current.clone()), changed, &V).unwrap();
+        let (m, out, _) = decide_update(
+            &p,
+            "x",
+            Some(current.clone()),
+            changed,
+            &V,
+            INTERNAL_MANAGER,
+        )
+        .unwrap();
         assert!(matches!(m, Mutation::Put(_)));
         assert_eq!(out["metadata"]["generation"], 2);
         assert_eq!(out["metadata"]["creationTimestamp"], "2024-01-01T00:00:00Z");
         // identical → no-op
         assert!(matches!(
-            decide_update(&p, "x", Some(current.clone()), current.clone(), &V)
-                .unwrap()
-                .0,
+            decide_update(
+                &p,
+                "x",
+                Some(current.clone()),
+                current.clone(),
+                &V,
+                INTERNAL_MANAGER
+            )
+            .unwrap()
+            .0,
             Mutation::Unchanged
         ));
         // missing → 404
         assert_eq!(
-            decide_update(&p, "x", None, current, &V)
+            decide_update(&p, "x", None, current, &V, INTERNAL_MANAGER)
                 .unwrap_err()
                 .reason(),
             "NotFound"
@@ -1125,7 +1147,7 @@ mod tests {
     #[test]
     fn writes_record_their_field_manager() {
         let p = path("wgpolicyk8s.io/v1alpha2/namespaces/ns/policyreports/x");
-        let (created, _, _) = prepare_create_as(
+        let (created, _, _) = prepare_create(
             &p,
             json!({"metadata": {"name": "x"}, "summary": {"pass": 1}}),
             &V,
@@ -1144,8 +1166,7 @@ mod tests {
         current["metadata"]["resourceVersion"] = json!("5");
         let mut put = current.clone();
         put["summary"]["pass"] = json!(2);
-        let (_, out, _) =
-            decide_update_as(&p, "x", Some(current.clone()), put, &V, "editor").unwrap();
+        let (_, out, _) = decide_update(&p, "x", Some(current.clone()), put, &V, "editor").unwrap();
         let managers: Vec<&str> = out["metadata"]["managedFields"]
             .as_array()
             .unwrap()
@@ -1161,7 +1182,7 @@ mod tests {
             .unwrap()
             .remove("managedFields");
         assert!(matches!(
-            decide_update_as(&p, "x", Some(current), bare, &V, "editor")
+            decide_update(&p, "x", Some(current), bare, &V, "editor")
                 .unwrap()
                 .0,
             Mutation::Unchanged

@@ -7,8 +7,8 @@ use reports_server_aggregator::report::LABEL_RESOURCE_UID;
 use serde_json::Value;
 
 use crate::registry::{
-    DeletePreconditions, FieldValidation, RegistryError, ResourceRef, Validation, decide_delete,
-    decide_update,
+    DeletePreconditions, FieldValidation, INTERNAL_MANAGER, RegistryError, ResourceRef, Validation,
+    decide_delete, decide_update,
 };
 use crate::store::{Mutation, Store};
 
@@ -103,7 +103,15 @@ impl EphemeralReports for StoreEphemeralReports {
                 mode: FieldValidation::Ignore,
                 duplicates: Vec::new(),
             };
-            decide_update(path, name, Some(current), adopted, &validation).map(|(m, _, _)| m)
+            decide_update(
+                path,
+                name,
+                Some(current),
+                adopted,
+                &validation,
+                INTERNAL_MANAGER,
+            )
+            .map(|(m, _, _)| m)
         })
         .await
     }

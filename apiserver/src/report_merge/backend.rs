@@ -12,8 +12,8 @@ use reports_server_crds::catalog;
 use serde_json::Value;
 
 use crate::registry::{
-    DeletePreconditions, FieldValidation, RegistryError, ResourceRef, Validation, decide_delete,
-    decide_update, prepare_create,
+    DeletePreconditions, FieldValidation, INTERNAL_MANAGER, RegistryError, ResourceRef, Validation,
+    decide_delete, decide_update, prepare_create,
 };
 use crate::store::merge_input::MergePageQuery;
 use crate::store::write_target::Target;
@@ -217,7 +217,8 @@ impl Op<'_> {
                 if let Some(meta) = object["metadata"].as_object_mut() {
                     meta.remove("resourceVersion");
                 }
-                let (object, _, _) = prepare_create(&path, object, &validation).map_err(api)?;
+                let (object, _, _) =
+                    prepare_create(&path, object, &validation, INTERNAL_MANAGER).map_err(api)?;
                 Ok(Mutation::Put(object))
             }
             Op::Update(report) => {
@@ -229,9 +230,15 @@ impl Op<'_> {
                 if !is_managed(&current) {
                     return Err(unmanaged());
                 }
-                let (mutation, _, _) =
-                    decide_update(&path, &name, Some(current), report.to_value(), &validation)
-                        .map_err(api)?;
+                let (mutation, _, _) = decide_update(
+                    &path,
+                    &name,
+                    Some(current),
+                    report.to_value(),
+                    &validation,
+                    INTERNAL_MANAGER,
+                )
+                .map_err(api)?;
                 Ok(mutation)
             }
             Op::Delete(key) | Op::ConsumeEphemeral(key) => {

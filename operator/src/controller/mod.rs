@@ -176,7 +176,13 @@ impl Context {
 
 /// Reconciles one ReportsServer (wrapped in the finalizer).
 pub async fn reconcile(rs: Arc<ReportsServer>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let span = tracing::info_span!("reconcile", namespace = rs.namespace().unwrap_or_default(), name = %rs.name_any());
+    // Not `name`: the JSON log writes a span's own name under that key too, and a reader keeps
+    // only one of the two.
+    let span = tracing::info_span!(
+        "reconcile",
+        namespace = rs.namespace().unwrap_or_default(),
+        reports_server = %rs.name_any()
+    );
     reconcile_in(rs, ctx).instrument(span).await
 }
 
