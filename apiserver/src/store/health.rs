@@ -20,6 +20,12 @@
 //! primary set read-only (`default_transaction_read_only`, as some managed services do when
 //! their disk fills) still serves current reads, so only its writes are refused, like on a
 //! full disk.
+//!
+//! An outage makes every connection opened before it stale as well: when the network dropped
+//! packets instead of refusing them, a connection that was busy then is half-open, and sqlx's
+//! ping when it is released waits on TCP retransmission (minutes) while holding a pool slot.
+//! Closing stale connections on release keeps the pool's slots free for new connections, so
+//! data is served as soon as the probe gets its answer.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -176,6 +182,13 @@ impl DatabaseHealth {
     }
 
     fn open_circuit(&self, cause: &str, read_only: bool) {
+        if *self.inner.up.borrow() {
+            // A connection that lived through the outage may be half-open (packets dropped, no
+            // reset): its next use, or the pool's ping when it is released, would wait on TCP
+            // retransmission for minutes while holding a pool slot. Marked before the circuit
+            // opens, whose watchers end the requests in flight and so release their connections.
+            self.connections_stale();
+        }
         let went_down = self
             .inner
             .up
@@ -208,8 +221,9 @@ impl DatabaseHealth {
         self.open_circuit(cause, true);
     }
 
-    /// Makes every pooled connection opened until now stale (a write was refused as read-only:
-    /// the connection may lead to a demoted primary).
+    /// Makes every pooled connection opened until now stale: after a write refused as read-only
+    /// (the connection may lead to a demoted primary) and when an outage starts (it may be
+    /// half-open). A stale connection is closed when it is released or next acquired.
     pub(super) fn connections_stale(&self) {
         let now = self.inner.epoch.elapsed().as_nanos().max(1);
         self.inner
@@ -229,8 +243,8 @@ impl DatabaseHealth {
         }
     }
 
-    /// Whether a pooled connection opened `age` ago may be handed out again: `false` once a
-    /// standby answer or a read-only refusal came after it was opened (see
+    /// Whether a pooled connection opened `age` ago may be handed out again: `false` once an
+    /// outage, a standby answer or a read-only refusal came after it was opened (see
     /// [`DatabaseHealth::connections_stale`]).
     pub fn keeps_connection(&self, age: Duration) -> bool {
         let stale_before = self.inner.stale_before.load(Ordering::SeqCst);
@@ -334,6 +348,33 @@ mod tests {
             .expect("came_up resolves on the answer")
             .unwrap();
         assert!(health.outage().is_none());
+    }
+
+    #[test]
+    fn an_outage_makes_older_connections_stale_only() {
+        let health = DatabaseHealth::default();
+        health.answered();
+        health.set_ready();
+        std::thread::sleep(Duration::from_millis(20));
+        health.failed("no answer within 1s");
+        assert!(
+            !health.keeps_connection(Duration::from_millis(10)),
+            "opened before the outage: closed, not pinged"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(health.keeps_connection(Duration::from_millis(5)));
+        health.answered();
+        assert!(
+            health.keeps_connection(Duration::from_millis(5)),
+            "a recovery makes nothing stale"
+        );
+    }
+
+    #[test]
+    fn failures_before_the_first_answer_make_nothing_stale() {
+        let health = DatabaseHealth::default();
+        health.failed("connection refused");
+        assert!(health.keeps_connection(Duration::from_secs(3600)));
     }
 
     #[test]

@@ -632,6 +632,26 @@ async fn open_database(
         let keep = mysql.keeps_connection(opened.age);
         Box::pin(async move { Ok(keep) })
     });
+    // On release sqlx pings a connection before pooling it again, without a deadline: on a
+    // half-open connection (a request given up during an outage) that ping holds a pool slot
+    // until TCP gives up, and a pool whose slots are all held answers "pool timed out" long
+    // after the database is back. A stale connection is closed at once instead.
+    let postgres = health.clone();
+    connect.map_sqlx_postgres_pool_opts(move |pool| {
+        let health = postgres.clone();
+        pool.after_release(move |_, opened| {
+            let keep = health.keeps_connection(opened.age);
+            Box::pin(async move { Ok(keep) })
+        })
+    });
+    let mysql = health.clone();
+    connect.map_sqlx_mysql_pool_opts(move |pool| {
+        let health = mysql.clone();
+        pool.after_release(move |_, opened| {
+            let keep = health.keeps_connection(opened.age);
+            Box::pin(async move { Ok(keep) })
+        })
+    });
     if options.database_url.starts_with("sqlite:") {
         connect.map_sqlx_sqlite_opts(|o| {
             o.journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
