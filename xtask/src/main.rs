@@ -138,8 +138,11 @@ fn test(args: TestArgs) -> Result<bool> {
     }
     let mut history = history;
     for outcome in &outcomes {
-        if outcome.passed() {
-            history.record(&outcome.name, outcome.wall.as_secs_f64());
+        let wall = outcome.wall.as_secs_f64();
+        // A failed or killed run's time is a lower bound: a binary that got slower (and timed
+        // out) must still be started early next time.
+        if outcome.passed() || history.seconds(&outcome.name).is_none_or(|s| wall > s) {
+            history.record(&outcome.name, wall);
         }
     }
     if let Err(e) = history.save(&history_path) {
