@@ -183,10 +183,8 @@ impl DatabaseHealth {
 
     fn open_circuit(&self, cause: &str, read_only: bool) {
         if *self.inner.up.borrow() {
-            // A connection that lived through the outage may be half-open (packets dropped, no
-            // reset): its next use, or the pool's ping when it is released, would wait on TCP
-            // retransmission for minutes while holding a pool slot. Marked before the circuit
-            // opens, whose watchers end the requests in flight and so release their connections.
+            // Before the circuit opens: its watchers end the requests in flight, which releases
+            // their (maybe half-open) connections.
             self.connections_stale();
         }
         let went_down = self

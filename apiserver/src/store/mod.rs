@@ -603,11 +603,31 @@ impl Writer {
     }
 }
 
+/// `pool` closing the connections `health` says are stale (opened before a read-only answer,
+/// which may lead to a demoted primary, or before an outage, after which they may be half-open)
+/// when they are next taken and when they are released. On release sqlx would otherwise ping
+/// them first, without a deadline: on a half-open connection that ping holds a pool slot until
+/// TCP gives up, and a pool whose slots are all held answers "pool timed out" long after the
+/// database is back.
+fn closing_stale<DB: sqlx::Database>(
+    pool: sqlx::pool::PoolOptions<DB>,
+    health: &health::DatabaseHealth,
+) -> sqlx::pool::PoolOptions<DB> {
+    let (on_acquire, on_release) = (health.clone(), health.clone());
+    pool.before_acquire(move |_, opened| {
+        let keep = on_acquire.keeps_connection(opened.age);
+        Box::pin(async move { Ok(keep) })
+    })
+    .after_release(move |_, opened| {
+        let keep = on_release.keeps_connection(opened.age);
+        Box::pin(async move { Ok(keep) })
+    })
+}
+
 /// A connection pool to the database `options` name, with the session settings the store
 /// relies on (SQLite: WAL, full sync, a busy timeout); no migration. A `lazy` pool connects on
-/// first use (the database need not answer now). The pool closes, instead of handing out, a
-/// connection that `health` says is stale (opened before a read-only answer: it may lead to a
-/// demoted primary).
+/// first use (the database need not answer now). The pool closes, instead of handing out or
+/// keeping, a connection that `health` says is stale ([`closing_stale`]).
 async fn open_database(
     options: &StoreOptions,
     lazy: bool,
@@ -623,35 +643,9 @@ async fn open_database(
         .acquire_timeout(options.connect_timeout)
         .sqlx_logging(false);
     let postgres = health.clone();
-    connect.map_sqlx_postgres_before_acquire(move |_, opened| {
-        let keep = postgres.keeps_connection(opened.age);
-        Box::pin(async move { Ok(keep) })
-    });
+    connect.map_sqlx_postgres_pool_opts(move |pool| closing_stale(pool, &postgres));
     let mysql = health.clone();
-    connect.map_sqlx_mysql_before_acquire(move |_, opened| {
-        let keep = mysql.keeps_connection(opened.age);
-        Box::pin(async move { Ok(keep) })
-    });
-    // On release sqlx pings a connection before pooling it again, without a deadline: on a
-    // half-open connection (a request given up during an outage) that ping holds a pool slot
-    // until TCP gives up, and a pool whose slots are all held answers "pool timed out" long
-    // after the database is back. A stale connection is closed at once instead.
-    let postgres = health.clone();
-    connect.map_sqlx_postgres_pool_opts(move |pool| {
-        let health = postgres.clone();
-        pool.after_release(move |_, opened| {
-            let keep = health.keeps_connection(opened.age);
-            Box::pin(async move { Ok(keep) })
-        })
-    });
-    let mysql = health.clone();
-    connect.map_sqlx_mysql_pool_opts(move |pool| {
-        let health = mysql.clone();
-        pool.after_release(move |_, opened| {
-            let keep = health.keeps_connection(opened.age);
-            Box::pin(async move { Ok(keep) })
-        })
-    });
+    connect.map_sqlx_mysql_pool_opts(move |pool| closing_stale(pool, &mysql));
     if options.database_url.starts_with("sqlite:") {
         connect.map_sqlx_sqlite_opts(|o| {
             o.journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
