@@ -21,6 +21,7 @@ use reports_server_crds::catalog::GROUP_VERSIONS;
 use reports_server_election::{ElectionTiming, Elector};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::cluster::Cluster;
 use super::mailbox::{self, Mailbox};
@@ -127,9 +128,25 @@ impl Worker {
     pub async fn run(self, cancel: CancellationToken) {
         let lease = self.registry.lease("migration", self.holder.clone());
         let elector = Elector::new(lease, self.options.lease);
+        let worker = std::sync::Arc::new(self);
+        // Each term's work runs as a task of its own: polled inside the election loop, its
+        // stretches of CPU work (parsing and hashing every object of a write-back) delayed the
+        // renewals on a busy machine until the lease was lost, and the next term started the
+        // hand-back over, again and again.
+        let term_task = |term: CancellationToken| {
+            let worker = worker.clone();
+            async move {
+                let task = tokio::spawn(
+                    async move { worker.lead(term).await }.instrument(tracing::Span::current()),
+                );
+                if let Err(e) = task.await {
+                    tracing::error!(error = %e, "the migration term's task failed");
+                }
+            }
+        };
         tokio::join!(
-            self.observe(cancel.clone()),
-            elector.run(cancel.clone(), |term| self.lead(term), |_| {})
+            worker.observe(cancel.clone()),
+            elector.run(cancel.clone(), term_task, |_| {})
         );
     }
 

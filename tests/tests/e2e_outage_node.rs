@@ -50,8 +50,12 @@ const WARM: Duration = Duration::from_secs(20);
 /// The servers notice an outage within about 2 s (probe every 500 ms, 1 s deadline).
 const DETECTION: Duration = Duration::from_secs(3);
 const FAST: Duration = Duration::from_secs(1);
-/// From the database's return to every Pod's report being right and the namespace gone.
-const SETTLE: Duration = Duration::from_secs(60);
+/// From the database's return to every Pod's report being right and the namespace gone:
+/// kube-controller-manager retries a failing namespace deletion at most every 60 s (5 ms,
+/// doubling, capped), so after a 2-minute outage its next try may come a minute after the
+/// database is back (a black-holed run settled at 60.4 s, a stopped one at 37 s); Kyverno
+/// rescans every 30 s (its `--backgroundScanInterval` here).
+const SETTLE: Duration = Duration::from_secs(90);
 
 fn outage_length() -> Duration {
     let seconds = std::env::var("REPORTS_SERVER_OUTAGE_SECONDS")

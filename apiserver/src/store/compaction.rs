@@ -89,20 +89,22 @@ impl Store {
     ) -> Result<(i64, i64), StoreError> {
         let mut writer = self.write_lock.lock().await;
         let db = writer.connection(self.options()).await?;
-        let result = async {
-            let txn = db.begin().await?;
-            // The counter's row lock orders this against writers in other processes too.
-            let versions = lock_counter(&txn, self.backend(), self.cluster_id()).await?;
-            for statement in plan(versions) {
-                match statement {
-                    Statement::Delete(s) => txn.execute(&s).await?,
-                    Statement::Update(s) => txn.execute(&s).await?,
-                };
-            }
-            txn.commit().await?;
-            Ok(versions)
-        }
-        .await;
+        // Abandoned when an outage begins, like a group commit round: see `Store::round`.
+        let result = self
+            .unless_outage(async {
+                let txn = db.begin().await?;
+                // The counter's row lock orders this against writers in other processes too.
+                let versions = lock_counter(&txn, self.backend(), self.cluster_id()).await?;
+                for statement in plan(versions) {
+                    match statement {
+                        Statement::Delete(s) => txn.execute(&s).await?,
+                        Statement::Update(s) => txn.execute(&s).await?,
+                    };
+                }
+                txn.commit().await?;
+                Ok(versions)
+            })
+            .await;
         if let Err(e) = &result {
             writer.discard(e);
         }

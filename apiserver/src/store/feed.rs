@@ -396,7 +396,9 @@ impl ChangeFeed {
             }
             // During an outage the health probe logs it once; the feed retries quietly and
             // its watchers stay open (bookmarks keep flowing) until the log can be read again.
-            if let Err(e) = self.catch_up(&store).await {
+            // A read caught by an outage on a half-open connection would stall every watch of
+            // this process until TCP gives up; it is abandoned and read again.
+            if let Err(e) = store.unless_outage(self.catch_up(&store)).await {
                 if store.health().is_up() {
                     tracing::warn!(error = %e, "change feed could not read the change log; retrying");
                 }

@@ -294,10 +294,25 @@ impl Store {
         }
     }
 
+    /// One round, abandoned when an outage begins meanwhile: caught on a connection made
+    /// half-open by a network that drops packets, it would hold the write lock until TCP gives
+    /// up, and every write after the outage would queue behind it. Its writers learn it from
+    /// their dropped channels (unavailable before they were admitted, outcome unknown after).
     async fn round(&self, batch: Vec<Request>) {
+        let mut writer = self.write_lock.lock().await;
+        tokio::select! {
+            () = self.run_round(&mut writer, batch) => {}
+            () = self.health().outage_begins() => {
+                let lost = StoreError::unavailable("an outage began during a group commit round");
+                writer.discard(&lost);
+                tracing::warn!("an outage began during a group commit round; its writers are told the outcome is unknown and the writer connection is closed");
+            }
+        }
+    }
+
+    async fn run_round(&self, writer: &mut super::Writer, batch: Vec<Request>) {
         let writers = batch.len();
         let began = std::time::Instant::now();
-        let mut writer = self.write_lock.lock().await;
         let opened = match writer.connection(self.options()).await {
             Ok(db) => self.open_round(&db, &batch).await,
             Err(e) => Err(e),

@@ -138,6 +138,20 @@ impl DatabaseHealth {
         let _ = up.wait_for(|up| !*up).await;
     }
 
+    /// Resolves when an outage begins after the database has answered: at the circuit's next
+    /// opening while it is closed; while it is open (or before the first answer), only after
+    /// the database answered again and stopped once more. Background work races its database
+    /// calls against it ([`super::Store::unless_outage`]), unlike [`Self::went_down`], which
+    /// resolves at once while the circuit is open and so would end work that the probe alone
+    /// keeps out (a store that runs no probe never answers it).
+    pub async fn outage_begins(&self) {
+        let mut up = self.inner.up.subscribe();
+        // An error means the sender is gone, which it never is while `self` lives.
+        if up.wait_for(|up| *up).await.is_ok() {
+            let _ = up.wait_for(|up| !*up).await;
+        }
+    }
+
     /// Resolves when data requests can be served.
     pub async fn came_up(&self) {
         let mut up = self.inner.up.subscribe();
@@ -346,6 +360,29 @@ mod tests {
             .expect("came_up resolves on the answer")
             .unwrap();
         assert!(health.outage().is_none());
+    }
+
+    #[tokio::test]
+    async fn an_outage_begins_only_after_an_answer() {
+        let health = DatabaseHealth::default();
+        let waiter = tokio::spawn({
+            let health = health.clone();
+            async move { health.outage_begins().await }
+        });
+        health.failed("connection refused before the first answer");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !waiter.is_finished(),
+            "work started while the circuit is open is not ended by it"
+        );
+        health.answered();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "an answer begins no outage");
+        health.failed("no answer within 1s");
+        tokio::time::timeout(Duration::from_secs(1), waiter)
+            .await
+            .expect("the next opening ends the wait")
+            .unwrap();
     }
 
     #[test]

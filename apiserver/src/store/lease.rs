@@ -235,7 +235,9 @@ impl LeaseSnapshot for LeaseRecord {
 }
 
 /// The lease row `name` as seen by the process `holder`: the store of the aggregator's
-/// election loop (`reports_server_election::Elector`).
+/// election loop (`reports_server_election::Elector`). Each call is abandoned when an outage
+/// begins ([`Store::unless_outage`]): a loop stuck on a half-open connection would neither
+/// stop its work nor campaign again until TCP gives up.
 #[derive(Clone)]
 pub struct StoreLease {
     store: Store,
@@ -266,7 +268,8 @@ impl LeaseStore for StoreLease {
     }
 
     async fn read(&self) -> Result<Option<LeaseRecord>, StoreError> {
-        self.store.lease_read(&self.name).await
+        let store = &self.store;
+        store.unless_outage(store.lease_read(&self.name)).await
     }
 
     async fn acquire(
@@ -274,8 +277,9 @@ impl LeaseStore for StoreLease {
         observed: Option<&LeaseRecord>,
         duration: Duration,
     ) -> Result<Option<LeaseRecord>, StoreError> {
-        self.store
-            .lease_acquire(&self.name, &self.holder, observed, duration)
+        let store = &self.store;
+        store
+            .unless_outage(store.lease_acquire(&self.name, &self.holder, observed, duration))
             .await
     }
 
@@ -284,15 +288,17 @@ impl LeaseStore for StoreLease {
         held: &LeaseRecord,
         duration: Duration,
     ) -> Result<Option<LeaseRecord>, StoreError> {
-        self.store
-            .lease_renew(&self.name, &self.holder, held, duration)
+        let store = &self.store;
+        store
+            .unless_outage(store.lease_renew(&self.name, &self.holder, held, duration))
             .await
     }
 
     async fn release(&self, _held: &LeaseRecord) -> Result<(), StoreError> {
         // `false` (someone else holds it now) is what release means to do nothing about.
-        self.store
-            .lease_release(&self.name, &self.holder)
+        let store = &self.store;
+        store
+            .unless_outage(store.lease_release(&self.name, &self.holder))
             .await
             .map(drop)
     }

@@ -94,14 +94,21 @@ impl Store {
             .from_as(Objects::Table, o())
             .and_where(Expr::col((o(), Objects::ClusterId)).eq(self.cluster_id()))
             .cond_where(wanted);
-        let rows = self.connection().query_all(&q).await?;
+        let rows = self
+            .unless_outage(async { Ok(self.connection().query_all(&q).await?) })
+            .await?;
         rows.iter()
             .map(|r| Ok(r.try_get::<String>("", &Iden::to_string(&Objects::Namespace))?))
             .collect()
     }
 
-    /// One page of merge inputs, from one read snapshot.
+    /// One page of merge inputs, from one read snapshot; abandoned when an outage begins
+    /// meanwhile ([`Store::unless_outage`]).
     pub async fn merge_page(&self, q: &MergePageQuery<'_>) -> Result<MergePage, StoreError> {
+        self.unless_outage(self.read_merge_page(q)).await
+    }
+
+    async fn read_merge_page(&self, q: &MergePageQuery<'_>) -> Result<MergePage, StoreError> {
         let txn = self.read_snapshot().await?;
         let limit = q.limit.max(1);
         let mut subjects: Vec<String> = txn

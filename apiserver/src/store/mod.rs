@@ -479,6 +479,23 @@ impl Store {
         &self.db
     }
 
+    /// Runs `work`, a database call of a background task, unless an outage begins first: a
+    /// call caught by a network that drops packets waits on a half-open connection until TCP
+    /// gives up (minutes after the database is back), and requests are ended the same way
+    /// (`http::database_gate`). Dropping `work` drops its connection, which the pool closes
+    /// (the outage made it stale).
+    pub async fn unless_outage<T>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::select! {
+            result = work => result,
+            () = self.health.outage_begins() => Err(StoreError::unavailable(
+                "the database stopped answering while this was in progress",
+            )),
+        }
+    }
+
     /// Fails when the database does not answer; `/readyz` uses it.
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.db.ping().await.map_err(|e| StoreError::Unavailable {

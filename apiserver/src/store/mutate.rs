@@ -289,6 +289,61 @@ mod tests {
         assert_eq!(count_of(&slow.await.unwrap().object.unwrap()), 1);
     }
 
+    /// A round caught by an outage is abandoned when the circuit opens: its writer hears that
+    /// the outcome is unknown, and a write after the outage does not queue behind it. Here the
+    /// round waits on another connection's write lock, as one on a half-open connection waits
+    /// on TCP retransmission.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_round_caught_by_an_outage_is_abandoned() {
+        use sqlx::Connection;
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(&dir).await;
+        let url = format!("sqlite://{}", dir.path().join("db").display());
+        let mut other_process = sqlx::SqliteConnection::connect(&url).await.unwrap();
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut other_process)
+            .await
+            .unwrap();
+        let caught = tokio::spawn({
+            let store = store.clone();
+            async move {
+                store
+                    .mutate::<StoreError, _>(&POLICY_REPORT, "ns", "caught", false, |_| {
+                        Ok(Mutation::Put(report("caught", 0)))
+                    })
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!caught.is_finished(), "the round waits for the write lock");
+        store.health().failed("no answer within 1s");
+        let outcome = tokio::time::timeout(Duration::from_secs(2), caught)
+            .await
+            .expect("the round is abandoned when the circuit opens")
+            .unwrap();
+        assert!(
+            matches!(
+                outcome,
+                Err(StoreError::Ambiguous(_) | StoreError::Unavailable { .. })
+            ),
+            "{outcome:?}"
+        );
+        sqlx::query("ROLLBACK")
+            .execute(&mut other_process)
+            .await
+            .unwrap();
+        store.health().answered();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            store.mutate::<StoreError, _>(&POLICY_REPORT, "ns", "after", false, |_| {
+                Ok(Mutation::Put(report("after", 0)))
+            }),
+        )
+        .await
+        .expect("a write after the outage does not wait for the abandoned round")
+        .unwrap();
+    }
+
     /// Writers racing on one object, slow deciders (which step out of the round and decide
     /// again outside) among fast ones (which decide again inside): every increment lands once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -377,8 +377,7 @@ impl Store {
             .and_where(Expr::col((Objects::Table, Objects::Namespace)).eq(namespace))
             .and_where(Expr::col((Objects::Table, Objects::Name)).eq(name))
             .to_owned();
-        self.connection()
-            .query_one(&q)
+        self.unless_outage(async { Ok(self.connection().query_one(&q).await?) })
             .await?
             .map(|r| row_of(&r, Some(self.bodies())))
             .transpose()
@@ -458,9 +457,11 @@ impl Store {
         })
     }
 
-    /// Lists one page. The page and its resourceVersion come from one read snapshot.
+    /// Lists one page. The page and its resourceVersion come from one read snapshot. Abandoned
+    /// when an outage begins meanwhile ([`Store::unless_outage`]): background workers list too.
     pub async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
-        self.list_stream(query).await?.collect().await
+        self.unless_outage(async { self.list_stream(query).await?.collect().await })
+            .await
     }
 
     /// [`Store::list`], row by row as the database delivers them. The snapshot's versions are
