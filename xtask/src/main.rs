@@ -107,6 +107,7 @@ fn test(args: TestArgs) -> Result<bool> {
     if jobs.is_empty() {
         anyhow::bail!("no test binary matches --only {:?}", args.only);
     }
+    let remember = schedule::runs_every_test(&args.test_args);
     let history_path = target_dir.join("xtask").join("test-durations.json");
     let history = schedule::History::load(&history_path);
     let jobs = schedule::longest_first(jobs, |job| history.seconds(&job.name));
@@ -137,7 +138,7 @@ fn test(args: TestArgs) -> Result<bool> {
         outcomes.extend(run::run_all(together, &settings)?);
     }
     let mut history = history;
-    for outcome in &outcomes {
+    for outcome in outcomes.iter().filter(|_| remember) {
         let wall = outcome.wall.as_secs_f64();
         // A failed or killed run's time is a lower bound: a binary that got slower (and timed
         // out) must still be started early next time.

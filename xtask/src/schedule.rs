@@ -38,6 +38,33 @@ impl History {
     }
 }
 
+/// Whether libtest given `args` runs every test of a binary: only then is its wall time the
+/// binary's, worth remembering. A name filter, `--skip` or `--exact` picks some tests (the
+/// migration's end-to-end binary, timed on one test in 217 s, was then started late in CI,
+/// where all three take 20 to 40 min).
+pub fn runs_every_test(args: &[String]) -> bool {
+    const WITH_VALUE: [&str; 4] = ["--test-threads", "--color", "--format", "--logfile"];
+    const PLAIN: [&str; 5] = [
+        "--nocapture",
+        "--show-output",
+        "--quiet",
+        "-q",
+        "--report-time",
+    ];
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        let flag = arg.split('=').next().unwrap_or(arg);
+        if WITH_VALUE.contains(&flag) {
+            if !arg.contains('=') {
+                args.next();
+            }
+        } else if !PLAIN.contains(&arg.as_str()) {
+            return false;
+        }
+    }
+    true
+}
+
 /// Unknown durations first (in the given order), then the known ones, longest first.
 pub fn longest_first<T>(jobs: Vec<T>, seconds: impl Fn(&T) -> Option<f64>) -> Vec<T> {
     let mut keyed: Vec<(Option<f64>, usize, T)> = jobs
@@ -57,6 +84,21 @@ pub fn longest_first<T>(jobs: Vec<T>, seconds: impl Fn(&T) -> Option<f64>) -> Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_runs_of_every_test_are_remembered() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(runs_every_test(&[]));
+        assert!(runs_every_test(&args(&[
+            "--nocapture",
+            "--test-threads",
+            "1",
+            "--color=never"
+        ])));
+        assert!(!runs_every_test(&args(&["operator_moves", "--nocapture"])));
+        assert!(!runs_every_test(&args(&["--skip", "slow"])));
+        assert!(!runs_every_test(&args(&["--exact", "a_test"])));
+    }
 
     #[test]
     fn unknown_first_then_longest_first_ties_in_given_order() {
