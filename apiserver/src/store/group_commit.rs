@@ -300,13 +300,13 @@ impl Store {
     /// their dropped channels (unavailable before they were admitted, outcome unknown after).
     async fn round(&self, batch: Vec<Request>) {
         let mut writer = self.write_lock.lock().await;
-        tokio::select! {
-            () = self.run_round(&mut writer, batch) => {}
-            () = self.health().outage_begins() => {
-                let lost = StoreError::unavailable("an outage began during a group commit round");
-                writer.discard(&lost);
-                tracing::warn!("an outage began during a group commit round; its writers are told the outcome is unknown and the writer connection is closed");
-            }
+        let round = self.unless_outage(async {
+            self.run_round(&mut writer, batch).await;
+            Ok(())
+        });
+        if let Err(lost) = round.await {
+            writer.discard(&lost);
+            tracing::warn!(error = %lost, "a group commit round was abandoned; the writer connection is closed");
         }
     }
 
