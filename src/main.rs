@@ -156,6 +156,17 @@ pub struct DatabaseArgs {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     db_probe_timeout_ms: u64,
+    /// Seconds PostgreSQL lets a session of ours idle inside a transaction before it ends the
+    /// session (`idle_in_transaction_session_timeout`): a transaction abandoned on a half-open
+    /// connection during a network outage would otherwise keep its row locks, and stall every
+    /// write, until TCP keepalive notices (hours). Ours idle for milliseconds.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_DB_IDLE_IN_TRANSACTION_TIMEOUT_SECONDS",
+        default_value_t = 10,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    db_idle_in_transaction_timeout_seconds: u64,
     /// Most objects written in one transaction by group commit: writes that arrive while a
     /// commit runs share the next one (each keeps its own resourceVersion; a failing write
     /// fails alone). 1 turns grouping off.
@@ -316,6 +327,8 @@ impl DatabaseArgs {
         options.max_connections = self.db_max_connections;
         options.connect_timeout = std::time::Duration::from_secs(self.db_connect_timeout_seconds);
         options.probe_timeout = std::time::Duration::from_millis(self.db_probe_timeout_ms);
+        options.idle_in_transaction_timeout =
+            std::time::Duration::from_secs(self.db_idle_in_transaction_timeout_seconds);
         options.group_commit_max_writes = self.group_commit_max_writes as usize;
         Ok(options)
     }

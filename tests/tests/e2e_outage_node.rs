@@ -65,6 +65,24 @@ fn outage_length() -> Duration {
     Duration::from_secs(seconds)
 }
 
+/// The outages to stage, in order: both unless `REPORTS_SERVER_OUTAGES` names some
+/// (`stopped`, `blackholed`, comma-separated), to look at one alone.
+fn outages_to_stage() -> Result<Vec<Outage>> {
+    let Ok(names) = std::env::var("REPORTS_SERVER_OUTAGES") else {
+        return Ok(vec![Outage::Stopped, Outage::BlackHoled]);
+    };
+    names
+        .split(',')
+        .map(|name| match name.trim().to_ascii_lowercase().as_str() {
+            "stopped" => Ok(Outage::Stopped),
+            "blackholed" => Ok(Outage::BlackHoled),
+            other => {
+                bail!("REPORTS_SERVER_OUTAGES: unknown outage {other:?} (stopped, blackholed)")
+            }
+        })
+        .collect()
+}
+
 #[test]
 fn database_outage_on_the_node() {
     node::run_isolated("database_outage_on_the_node", |run| async move {
@@ -77,7 +95,7 @@ async fn on_the_node(run: RunDir) -> Result<()> {
     let result = async {
         let mut env = Env::install(&node, &run).await?;
         let mut failures = Vec::new();
-        for outage in [Outage::Stopped, Outage::BlackHoled] {
+        for outage in outages_to_stage()? {
             if let Err(e) = env.outage(outage).await {
                 eprintln!("[e2e_outage_node] {outage:?} FAILED: {e:#}");
                 failures.push(format!("{outage:?}: {e:#}"));
@@ -98,7 +116,7 @@ async fn on_the_node(run: RunDir) -> Result<()> {
             node.diagnostics()
         );
         for pod in names(&kubectl, NS, SERVER_PODS).unwrap_or_default() {
-            eprintln!("{}", node.pod_logs(NS, &pod, 40));
+            eprintln!("{}", node.pod_logs(NS, &pod, 150));
         }
     }
     node.stop().await?;
@@ -880,8 +898,13 @@ async fn pod_reports_right(kubectl: &Kubectl, deadline: Instant) -> Result<()> {
             return Ok(());
         }
         if Instant::now() > deadline {
+            // Whether Kyverno wrote its ephemeral reports (then the merge is behind) or not.
+            let ephemeral = kubectl
+                .run(&["get", "ephemeralreports", "-n", PODS_NS, "-o", "name"])
+                .map(|out| out.lines().count().to_string())
+                .unwrap_or_else(|e| format!("unknown ({e:#})"));
             bail!(
-                "{} Pods without a right report, e.g. {}",
+                "{} Pods without a right report ({ephemeral} ephemeral reports in {PODS_NS}), e.g. {}",
                 wrong.len(),
                 wrong.iter().take(5).cloned().collect::<Vec<_>>().join("; ")
             );

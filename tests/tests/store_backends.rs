@@ -1318,3 +1318,32 @@ async fn every_object(store: &Store) -> Vec<Value> {
         .map(|r| serde_json::from_str(&r.body).expect("JSON"))
         .collect()
 }
+
+/// Every session of the store is set to end when it idles inside a transaction: one abandoned
+/// by a client behind a network that drops packets would otherwise hold the resourceVersion
+/// counter's row lock, and so every write, until TCP keepalive noticed. SQLite has no sessions
+/// to lose; MySQL (not tested) has no such setting.
+#[tokio::test]
+async fn sessions_end_when_idle_inside_a_transaction() {
+    for (backend, sql, want) in [
+        (
+            Backend::Postgres,
+            "SHOW idle_in_transaction_session_timeout",
+            "3s",
+        ),
+        (
+            Backend::MariaDb,
+            "SELECT CAST(@@SESSION.idle_transaction_timeout AS CHAR)",
+            "3",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let url = backend.database_url(dir.path()).unwrap();
+        let mut options = StoreOptions::new(url);
+        options.idle_in_transaction_timeout = Duration::from_secs(3);
+        let store = Store::connect(options).await.unwrap();
+        let rows = store.query_raw(sql).await.unwrap();
+        let got: String = rows[0].try_get_by_index(0).unwrap();
+        assert_eq!(got, want, "{backend:?}");
+    }
+}

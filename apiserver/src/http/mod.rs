@@ -636,9 +636,17 @@ async fn resource(
             ))),
         }
     };
-    let result: Result<Response, ApiError> = tokio::select! {
-        result = work => result,
-        () = health.went_down() => Err(ApiError::database_lost(info.verb.is_write())),
+    // A read caught in flight when the database stops answering is ended here. A write is
+    // ended by the store, which races each of its database calls against the outage
+    // (`Store::unless_outage`) and so knows whether its COMMIT was sent: 503 when it was not
+    // (nothing stored), 504 when it was (the outcome is unknown).
+    let result: Result<Response, ApiError> = if info.verb.is_write() {
+        work.await
+    } else {
+        tokio::select! {
+            result = work => result,
+            () = health.went_down() => Err(ApiError::database_lost()),
+        }
     };
     result.unwrap_or_else(IntoResponse::into_response)
 }

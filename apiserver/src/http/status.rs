@@ -160,25 +160,15 @@ impl ApiError {
         }
     }
 
-    /// A request in progress when the database stopped answering. A write's outcome is then
-    /// unknown: kube-apiserver's answer for that is 504 `Timeout` (etcd's "request timed
-    /// out"), which clients read as "may or may not have happened".
-    pub fn database_lost(write: bool) -> Self {
-        let error = if write {
-            Self::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "Timeout",
-                "the database stopped answering while this write was in progress; whether it was stored is unknown: read the object before writing it again",
-            )
-            .with_details(json!({"retryAfterSeconds": 1}))
-        } else {
-            Self::unavailable(
-                "the database stopped answering during this request; policy reports cannot be read or written until it answers again; retry later",
-            )
-        };
+    /// A read in progress when the database stopped answering. (A write caught that way is
+    /// answered from the store's error: 503 when nothing was stored, 504 `Timeout` when its
+    /// outcome is unknown, which is kube-apiserver's answer for etcd's "request timed out".)
+    pub fn database_lost() -> Self {
         ApiError {
             logged_elsewhere: true,
-            ..error
+            ..Self::unavailable(
+                "the database stopped answering during this request; policy reports cannot be read or written until it answers again; retry later",
+            )
         }
     }
 

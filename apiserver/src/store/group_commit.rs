@@ -24,7 +24,8 @@
 //! the next round, so it decides on the earlier one's result).
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -88,6 +89,7 @@ pub(super) struct Request {
     offer: oneshot::Sender<Result<Admission, StoreError>>,
     decision: oneshot::Receiver<Vec<Decided>>,
     done: oneshot::Sender<Result<Vec<WriteOutcome>, StoreError>>,
+    commit_sent: CommitSent,
 }
 
 /// A writer's decisions, made on its targets at `versions` (`None`: no such object).
@@ -109,6 +111,23 @@ pub(super) struct Ticket {
     pub offer: oneshot::Receiver<Result<Admission, StoreError>>,
     pub decision: oneshot::Sender<Vec<Decided>>,
     pub done: oneshot::Receiver<Result<Vec<WriteOutcome>, StoreError>>,
+    pub commit_sent: CommitSent,
+}
+
+/// Set just before the COMMIT of the transaction holding a writer's changes is sent. A round
+/// that ends without a word before then (abandoned when an outage began) stored nothing of
+/// it; after, the outcome is unknown.
+#[derive(Clone, Default)]
+pub(super) struct CommitSent(Arc<AtomicBool>);
+
+impl CommitSent {
+    fn mark(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    pub(super) fn is_set(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
 }
 
 #[derive(Clone)]
@@ -222,6 +241,7 @@ struct Accepted {
     currents: Vec<Option<Current>>,
     decided: Vec<Decided>,
     done: oneshot::Sender<Result<Vec<WriteOutcome>, StoreError>>,
+    commit_sent: CommitSent,
 }
 
 impl Store {
@@ -231,12 +251,14 @@ impl Store {
         let (offer_tx, offer) = oneshot::channel();
         let (decision, decision_rx) = oneshot::channel();
         let (done_tx, done) = oneshot::channel();
+        let commit_sent = CommitSent::default();
         let request = Request {
             targets,
             presumed,
             offer: offer_tx,
             decision: decision_rx,
             done: done_tx,
+            commit_sent: commit_sent.clone(),
         };
         let start_leader = {
             let mut state = self
@@ -257,6 +279,7 @@ impl Store {
             offer,
             decision,
             done,
+            commit_sent,
         }
     }
 
@@ -297,9 +320,21 @@ impl Store {
     /// One round, abandoned when an outage begins meanwhile: caught on a connection made
     /// half-open by a network that drops packets, it would hold the write lock until TCP gives
     /// up, and every write after the outage would queue behind it. Its writers learn it from
-    /// their dropped channels (unavailable before they were admitted, outcome unknown after).
+    /// their dropped channels: unavailable (nothing stored) unless the COMMIT was already sent
+    /// ([`CommitSent`]), outcome unknown after.
     async fn round(&self, batch: Vec<Request>) {
         let mut writer = self.write_lock.lock().await;
+        // Queued behind a round the outage ended: a new connection would wait for its connect
+        // timeout before failing the same way.
+        if self.health().circuit_open() {
+            for request in batch {
+                let refused = StoreError::unavailable(
+                    "the database does not answer; this write was not stored: retry later",
+                );
+                request.offer.send(Err(refused)).ok();
+            }
+            return;
+        }
         let round = self.unless_outage(async {
             self.run_round(&mut writer, batch).await;
             Ok(())
@@ -407,6 +442,7 @@ impl Store {
                     currents,
                     decided: request.presumed.decided,
                     done: request.done,
+                    commit_sent: request.commit_sent,
                 });
             }
         }
@@ -435,10 +471,16 @@ impl Store {
         for ((request, currents), rows) in changed.into_iter().zip(rows) {
             let seen = rows.into_iter().map(|r| r.map(Row::seen)).collect();
             if request.offer.send(Ok(Admission::Changed(seen))).is_ok() {
-                offered.push((request.targets, currents, request.decision, request.done));
+                offered.push((
+                    request.targets,
+                    currents,
+                    request.decision,
+                    request.done,
+                    request.commit_sent,
+                ));
             }
         }
-        for (targets, currents, decision, done) in offered {
+        for (targets, currents, decision, done, commit_sent) in offered {
             // A writer that declined (its decision failed, or it decides outside) or went away
             // drops its sender.
             if let Ok(decided) = decision.await {
@@ -447,6 +489,7 @@ impl Store {
                     currents,
                     decided,
                     done,
+                    commit_sent,
                 });
             }
         }
@@ -497,6 +540,9 @@ impl Store {
             // Published below (or the feed woken when it cannot be): the commit's own
             // notification need not send the feed to the change log.
             self.feed().committing(last_rv);
+        }
+        for writer in accepted.iter() {
+            writer.commit_sent.mark();
         }
         txn.commit()
             .await
@@ -635,7 +681,9 @@ impl Store {
         &self,
         targets: &[OwnedTarget],
     ) -> Result<Vec<Option<Seen>>, StoreError> {
-        let mut rows = self.read_rows(self.connection(), &[targets], true).await?;
+        let groups = [targets];
+        let read = self.read_rows(self.connection(), &groups, true);
+        let mut rows = self.unless_outage(read).await?;
         let rows = rows.pop().unwrap_or_default();
         Ok(rows.into_iter().map(|r| r.map(Row::seen)).collect())
     }

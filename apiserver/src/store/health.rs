@@ -131,6 +131,13 @@ impl DatabaseHealth {
         })
     }
 
+    /// Whether the circuit is open after a failure (not merely waiting for a first answer, which
+    /// a store that runs no probe never gets): work that would wait on the database is refused
+    /// at once rather than after a connection timeout.
+    pub fn circuit_open(&self) -> bool {
+        !*self.inner.up.borrow() && self.inner.down.lock().expect("health lock").is_some()
+    }
+
     /// Resolves when the database stops answering (at once if it does not answer now).
     pub async fn went_down(&self) {
         let mut up = self.inner.up.subscribe();

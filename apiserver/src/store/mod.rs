@@ -258,6 +258,12 @@ pub struct StoreOptions {
     /// How long the health probe waits for the database to answer before data requests are
     /// refused with 503 (see [`health`]).
     pub probe_timeout: Duration,
+    /// PostgreSQL ends a session of ours that stays this long inside a transaction without
+    /// sending a statement (`idle_in_transaction_session_timeout`). Ours pause for
+    /// milliseconds; a session whose client is gone behind a network that drops packets
+    /// pauses forever, and would hold the resourceVersion counter's row lock, and so every
+    /// write of every replica, until TCP keepalive noticed (two hours by default).
+    pub idle_in_transaction_timeout: Duration,
 }
 
 impl StoreOptions {
@@ -274,6 +280,7 @@ impl StoreOptions {
             group_commit_max_writes: 256,
             watch_buffer_bytes: feed::DEFAULT_WATCH_BUFFER_BYTES,
             probe_timeout: Duration::from_secs(1),
+            idle_in_transaction_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -506,7 +513,8 @@ impl Store {
 
     /// The newest committed resourceVersion and the oldest one a watch can resume from.
     pub async fn versions(&self) -> Result<(i64, i64), StoreError> {
-        read::versions(&self.db, self.backend, &self.cluster_id).await
+        self.unless_outage(read::versions(&self.db, self.backend, &self.cluster_id))
+            .await
     }
 
     /// Bytes the store's tables and indexes take on disk, for capacity figures (`bench`). On
@@ -641,6 +649,39 @@ fn closing_stale<DB: sqlx::Database>(
     })
 }
 
+/// Has PostgreSQL end this session when it idles `after` inside a transaction: a client that
+/// abandoned its transaction on a half-open connection (ended when an outage began, see
+/// [`Store::unless_outage`]) cannot tell the server, whose session would keep the
+/// transaction's row locks. A `SET` after connecting rather than a startup parameter, which
+/// connection poolers such as PgBouncer refuse.
+async fn end_abandoned_transactions(
+    db: &mut sqlx::PgConnection,
+    after: Duration,
+) -> Result<(), sqlx::Error> {
+    let millis = after.as_millis().max(1).to_string();
+    sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, false)")
+        .bind(millis)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// [`end_abandoned_transactions`] for MariaDB (`idle_transaction_timeout`, whole seconds).
+/// MySQL has no such variable and refuses the `SET`; its sessions go on without it.
+async fn end_abandoned_mariadb_transactions(
+    db: &mut sqlx::MySqlConnection,
+    after: Duration,
+) -> Result<(), sqlx::Error> {
+    // A number, formatted: not every server takes a placeholder in SET.
+    let seconds = after.as_secs().max(1);
+    let sql = sqlx::AssertSqlSafe(format!("SET SESSION idle_transaction_timeout = {seconds}"));
+    let set = sqlx::raw_sql(sql).execute(db).await;
+    if let Err(e) = set {
+        tracing::debug!(error = %e, "this server has no idle_transaction_timeout (MySQL)");
+    }
+    Ok(())
+}
+
 /// A connection pool to the database `options` name, with the session settings the store
 /// relies on (SQLite: WAL, full sync, a busy timeout); no migration. A `lazy` pool connects on
 /// first use (the database need not answer now). The pool closes, instead of handing out or
@@ -660,9 +701,18 @@ async fn open_database(
         .acquire_timeout(options.connect_timeout)
         .sqlx_logging(false);
     let postgres = health.clone();
-    connect.map_sqlx_postgres_pool_opts(move |pool| closing_stale(pool, &postgres));
+    let idle_in_transaction = options.idle_in_transaction_timeout;
+    connect.map_sqlx_postgres_pool_opts(move |pool| {
+        closing_stale(pool, &postgres).after_connect(move |db, _| {
+            Box::pin(end_abandoned_transactions(db, idle_in_transaction))
+        })
+    });
     let mysql = health.clone();
-    connect.map_sqlx_mysql_pool_opts(move |pool| closing_stale(pool, &mysql));
+    connect.map_sqlx_mysql_pool_opts(move |pool| {
+        closing_stale(pool, &mysql).after_connect(move |db, _| {
+            Box::pin(end_abandoned_mariadb_transactions(db, idle_in_transaction))
+        })
+    });
     if options.database_url.starts_with("sqlite:") {
         connect.map_sqlx_sqlite_opts(|o| {
             o.journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)

@@ -117,7 +117,10 @@ impl Store {
             let ticket = self.enqueue(owned.clone(), Presumed { versions, decided });
             let now = match ticket.offer.await.map_err(|_| leader_gone())?? {
                 Admission::Accepted => {
-                    return Ok(ticket.done.await.map_err(|_| round_lost())??);
+                    return Ok(ticket
+                        .done
+                        .await
+                        .map_err(|_| round_lost(&ticket.commit_sent))??);
                 }
                 Admission::Changed(now) => now,
             };
@@ -126,7 +129,10 @@ impl Store {
                 // An error here drops the ticket: the round goes on without this writer.
                 let decided = self.decide_on(targets, now, &mut decide)?;
                 ticket.decision.send(decided).map_err(|_| leader_gone())?;
-                return Ok(ticket.done.await.map_err(|_| round_lost())??);
+                return Ok(ticket
+                    .done
+                    .await
+                    .map_err(|_| round_lost(&ticket.commit_sent))??);
             }
             // Dropping the ticket steps out of the round; the next attempt decides on `now`.
             seen = now;
@@ -209,9 +215,16 @@ fn leader_gone() -> StoreError {
     StoreError::unavailable("the write's group commit ended before it started; retry the request")
 }
 
-/// The round that took this writer's decision ended without a word: it may have committed.
-fn round_lost() -> StoreError {
-    StoreError::Ambiguous("the write's group commit round ended before it reported".into())
+/// The round that took this writer's decision ended without a word (abandoned when an outage
+/// began): it may have committed only if it had sent the COMMIT.
+fn round_lost(commit_sent: &super::group_commit::CommitSent) -> StoreError {
+    if commit_sent.is_set() {
+        StoreError::Ambiguous("the write's group commit round ended before it reported".into())
+    } else {
+        StoreError::unavailable(
+            "the database stopped answering before this write was committed; it was not stored: retry the request",
+        )
+    }
 }
 
 #[cfg(test)]
@@ -290,7 +303,7 @@ mod tests {
     }
 
     /// A round caught by an outage is abandoned when the circuit opens: its writer hears that
-    /// the outcome is unknown, and a write after the outage does not queue behind it. Here the
+    /// nothing was stored, and a write after the outage does not queue behind it. Here the
     /// round waits on another connection's write lock, as one on a half-open connection waits
     /// on TCP retransmission.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -321,11 +334,9 @@ mod tests {
             .await
             .expect("the round is abandoned when the circuit opens")
             .unwrap();
+        // Caught before its COMMIT was sent: nothing was stored, and the writer is told so.
         assert!(
-            matches!(
-                outcome,
-                Err(StoreError::Ambiguous(_) | StoreError::Unavailable { .. })
-            ),
+            matches!(outcome, Err(StoreError::Unavailable { .. })),
             "{outcome:?}"
         );
         sqlx::query("ROLLBACK")
@@ -375,5 +386,40 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(count_of(&last), 24, "every increment landed once");
+    }
+
+    /// While the circuit is open a write is refused before any round touches the database
+    /// (on a black-holed network a new connection would wait for its connect timeout), and
+    /// nothing of it is stored.
+    #[tokio::test]
+    async fn a_write_while_the_circuit_is_open_is_refused_and_not_stored() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(&dir).await;
+        // The store's probe (every 500 ms) may close the circuit again during an attempt, as
+        // the database answers it: an attempt counts only if the circuit stayed open.
+        for attempt in 0.. {
+            assert!(
+                attempt < 20,
+                "the probe closed the circuit during every attempt"
+            );
+            let name = format!("refused-{attempt}");
+            store.health().failed("no answer within 1s");
+            let outcome = store
+                .mutate::<StoreError, _>(&POLICY_REPORT, "ns", &name, false, |_| {
+                    Ok(Mutation::Put(report(&name, 0)))
+                })
+                .await;
+            if !store.health().circuit_open() {
+                continue;
+            }
+            assert!(
+                matches!(outcome, Err(StoreError::Unavailable { .. })),
+                "{outcome:?}"
+            );
+            store.health().answered();
+            let stored = store.get_object(&POLICY_REPORT, "ns", &name).await;
+            assert!(matches!(stored, Ok(None)), "{stored:?}");
+            return;
+        }
     }
 }
