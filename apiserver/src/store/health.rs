@@ -283,7 +283,17 @@ impl DatabaseHealth {
         stop: CancellationToken,
     ) {
         loop {
-            match tokio::time::timeout(deadline, ask(&probe)).await {
+            let answer = match tokio::time::timeout(deadline, ask(&probe)).await {
+                // A missed deadline can be this process's own doing: a task that keeps the
+                // runtime busy delays the probe until its time is up before its question is
+                // even sent, and opening the circuit then abandons every write in flight. Ask
+                // once more at once: a database that is really gone misses that deadline too.
+                Err(_) if *self.inner.up.borrow() => {
+                    tokio::time::timeout(deadline, ask(&probe)).await
+                }
+                answer => answer,
+            };
+            match answer {
                 Ok(Ok(Answer::Writable)) => self.answered(),
                 Ok(Ok(Answer::ReadOnly)) => self.read_only(READ_ONLY),
                 Ok(Err(e)) => self.failed(&StoreError::from(e).to_string()),
