@@ -110,8 +110,29 @@ pub(super) enum Admission {
 pub(super) struct Ticket {
     pub offer: oneshot::Receiver<Result<Admission, StoreError>>,
     pub decision: oneshot::Sender<Vec<Decided>>,
-    pub done: oneshot::Receiver<Result<Vec<WriteOutcome>, StoreError>>,
-    pub commit_sent: CommitSent,
+    pub done: Outcome,
+}
+
+/// The writer's side of its round's outcome.
+pub(super) struct Outcome {
+    receiver: oneshot::Receiver<Result<Vec<WriteOutcome>, StoreError>>,
+    commit_sent: CommitSent,
+}
+
+impl Outcome {
+    /// The round's answer. A round that ended without one (abandoned when an outage began)
+    /// may have committed only if it had sent the COMMIT.
+    pub(super) async fn wait(self) -> Result<Vec<WriteOutcome>, StoreError> {
+        self.receiver.await.unwrap_or_else(|_| {
+            Err(if self.commit_sent.is_set() {
+                StoreError::Ambiguous("the write's group commit round ended before it reported".into())
+            } else {
+                StoreError::unavailable(
+                    "the database stopped answering before this write was committed; it was not stored: retry the request",
+                )
+            })
+        })
+    }
 }
 
 /// Set just before the COMMIT of the transaction holding a writer's changes is sent. A round
@@ -125,7 +146,7 @@ impl CommitSent {
         self.0.store(true, Ordering::SeqCst);
     }
 
-    pub(super) fn is_set(&self) -> bool {
+    fn is_set(&self) -> bool {
         self.0.load(Ordering::SeqCst)
     }
 }
@@ -278,8 +299,10 @@ impl Store {
         Ticket {
             offer,
             decision,
-            done,
-            commit_sent,
+            done: Outcome {
+                receiver: done,
+                commit_sent,
+            },
         }
     }
 

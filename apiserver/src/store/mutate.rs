@@ -117,10 +117,7 @@ impl Store {
             let ticket = self.enqueue(owned.clone(), Presumed { versions, decided });
             let now = match ticket.offer.await.map_err(|_| leader_gone())?? {
                 Admission::Accepted => {
-                    return Ok(ticket
-                        .done
-                        .await
-                        .map_err(|_| round_lost(&ticket.commit_sent))??);
+                    return Ok(ticket.done.wait().await?);
                 }
                 Admission::Changed(now) => now,
             };
@@ -129,10 +126,7 @@ impl Store {
                 // An error here drops the ticket: the round goes on without this writer.
                 let decided = self.decide_on(targets, now, &mut decide)?;
                 ticket.decision.send(decided).map_err(|_| leader_gone())?;
-                return Ok(ticket
-                    .done
-                    .await
-                    .map_err(|_| round_lost(&ticket.commit_sent))??);
+                return Ok(ticket.done.wait().await?);
             }
             // Dropping the ticket steps out of the round; the next attempt decides on `now`.
             seen = now;
@@ -213,18 +207,6 @@ impl Store {
 
 fn leader_gone() -> StoreError {
     StoreError::unavailable("the write's group commit ended before it started; retry the request")
-}
-
-/// The round that took this writer's decision ended without a word (abandoned when an outage
-/// began): it may have committed only if it had sent the COMMIT.
-fn round_lost(commit_sent: &super::group_commit::CommitSent) -> StoreError {
-    if commit_sent.is_set() {
-        StoreError::Ambiguous("the write's group commit round ended before it reported".into())
-    } else {
-        StoreError::unavailable(
-            "the database stopped answering before this write was committed; it was not stored: retry the request",
-        )
-    }
 }
 
 #[cfg(test)]
