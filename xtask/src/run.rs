@@ -32,6 +32,10 @@ pub struct Outcome {
     pub status: Option<ExitStatus>,
     /// Killed at [`Settings::timeout`].
     pub timed_out: bool,
+    /// User plus system CPU time of the binary and of every process it started and reaped
+    /// (servers, control planes, databases): on CI's two cores the sum of these, not the wall
+    /// times, is what makes the run long.
+    pub cpu: Option<Duration>,
     pub spawn_error: Option<String>,
     pub counts: Counts,
     pub log: PathBuf,
@@ -103,11 +107,12 @@ fn follow(received: mpsc::Receiver<Event>, total: usize, started: Instant) -> Ve
             Ok(Event::Ended(outcome)) => {
                 running.retain(|(name, _)| *name != outcome.name);
                 eprintln!(
-                    "xtask: [{}/{total}] {} {} in {:.0} s ({}; {:.0} s since start)",
+                    "xtask: [{}/{total}] {} {} in {:.0} s, {} ({}; {:.0} s since start)",
                     outcomes.len() + 1,
                     if outcome.passed() { "ok    " } else { "FAILED" },
                     outcome.name,
                     outcome.wall.as_secs_f64(),
+                    cpu_text(&outcome),
                     describe(&outcome),
                     started.elapsed().as_secs_f64()
                 );
@@ -137,16 +142,17 @@ fn run_one(job: &Job, settings: &Settings) -> Outcome {
     let counts = std::fs::read_to_string(&log)
         .map(|text| count_results(&text))
         .unwrap_or_default();
-    let (status, timed_out, spawn_error) = match result {
-        Ok(Ended::Exited(status)) => (Some(status), false, None),
-        Ok(Ended::Killed(status)) => (Some(status), true, None),
-        Err(e) => (None, false, Some(format!("{e:#}"))),
+    let (status, timed_out, cpu, spawn_error) = match result {
+        Ok((Ended::Exited(status), cpu)) => (Some(status), false, Some(cpu), None),
+        Ok((Ended::Killed(status), cpu)) => (Some(status), true, Some(cpu), None),
+        Err(e) => (None, false, None, Some(format!("{e:#}"))),
     };
     Outcome {
         name: job.name.clone(),
         wall,
         status,
         timed_out,
+        cpu,
         spawn_error,
         counts,
         log,
@@ -160,7 +166,7 @@ enum Ended {
     Killed(ExitStatus),
 }
 
-fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<Ended> {
+fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<(Ended, Duration)> {
     let out = File::create(log).with_context(|| format!("creating {}", log.display()))?;
     let mut command = Command::new(&job.program);
     // Not even cargo test's own package variables: a test that runs cargo (to build an image)
@@ -182,14 +188,14 @@ fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<Ended
         .with_context(|| format!("starting {}", job.program.display()))?;
     let started = Instant::now();
     loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(Ended::Exited(status));
+        if let Some(ended) = reap(&child, false)? {
+            return Ok((Ended::Exited(ended.0), ended.1));
         }
         if started.elapsed() >= settings.timeout {
             // The servers, control planes and databases a test starts die with it (they are
             // tied to the test process), so killing the binary frees its ports and cores.
             child.kill()?;
-            let status = child.wait()?;
+            let (status, cpu) = reap(&child, true)?.context("waiting for the killed binary")?;
             let unfinished = unfinished_tests(&std::fs::read_to_string(log).unwrap_or_default());
             let mut out = std::fs::OpenOptions::new().append(true).open(log)?;
             use std::io::Write as _;
@@ -203,10 +209,40 @@ fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<Ended
                     unfinished.join(", ")
                 }
             )?;
-            return Ok(Ended::Killed(status));
+            return Ok((Ended::Killed(status), cpu));
         }
         std::thread::sleep(Duration::from_millis(250));
     }
+}
+
+/// `wait4` on the child: its exit status and the CPU time it and its reaped descendants used,
+/// which `Child::wait` does not report. Once this has returned `Some`, the child is reaped and
+/// must not be waited for or killed through `Child` again.
+#[allow(unsafe_code)]
+fn reap(child: &std::process::Child, block: bool) -> Result<Option<(ExitStatus, Duration)>> {
+    use std::os::unix::process::ExitStatusExt as _;
+    let pid = libc::pid_t::try_from(child.id()).context("the child's pid")?;
+    let mut status = 0;
+    // SAFETY: `rusage` is plain data that wait4 fills; zeroed is a valid value of it.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let flags = if block { 0 } else { libc::WNOHANG };
+    loop {
+        // SAFETY: the pointers are to live locals; `pid` is our own unreaped child.
+        let reaped = unsafe { libc::wait4(pid, &mut status, flags, &mut usage) };
+        match reaped {
+            0 => return Ok(None),
+            r if r == pid => break,
+            _ => {
+                let error = std::io::Error::last_os_error();
+                if error.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(error).context("wait4 on a test binary");
+                }
+            }
+        }
+    }
+    let seconds = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    let cpu = seconds(usage.ru_utime) + seconds(usage.ru_stime);
+    Ok(Some((ExitStatus::from_raw(status), cpu)))
 }
 
 /// The tests libtest said had been running for over 60 seconds and that never ended (a
@@ -230,6 +266,13 @@ fn unfinished_tests(log: &str) -> Vec<String> {
         })
         .map(str::to_owned)
         .collect()
+}
+
+fn cpu_text(outcome: &Outcome) -> String {
+    outcome.cpu.map_or_else(
+        || "CPU unknown".to_owned(),
+        |cpu| format!("{:.1} s CPU", cpu.as_secs_f64()),
+    )
 }
 
 fn describe(outcome: &Outcome) -> String {
@@ -297,16 +340,22 @@ pub fn report(outcomes: &[Outcome]) -> bool {
     }
     let mut by_time: Vec<&Outcome> = outcomes.iter().collect();
     by_time.sort_by_key(|o| std::cmp::Reverse(o.wall));
-    eprintln!("\nxtask: wall time per test binary");
+    eprintln!("\nxtask: wall and CPU time per test binary");
     for outcome in by_time {
         eprintln!(
-            "  {:>7.1} s  {:<6}  {:<40} {}",
+            "  {:>7.1} s  {:>13}  {:<6}  {:<40} {}",
             outcome.wall.as_secs_f64(),
+            cpu_text(outcome),
             if outcome.passed() { "ok" } else { "FAILED" },
             outcome.name,
             describe(outcome)
         );
     }
+    let cpu: Duration = outcomes.iter().filter_map(|o| o.cpu).sum();
+    eprintln!(
+        "xtask: {:.0} s of CPU in all (user + system, with the processes the binaries reaped)",
+        cpu.as_secs_f64()
+    );
     let totals = outcomes.iter().fold(Counts::default(), |mut sum, o| {
         sum.passed += o.counts.passed;
         sum.failed += o.counts.failed;
@@ -380,6 +429,36 @@ mod tests {
         assert!(outcomes[0].timed_out && !outcomes[0].passed());
         let log = std::fs::read_to_string(&outcomes[0].log).unwrap();
         assert!(log.contains("killed after"), "{log}");
+        std::fs::remove_dir_all(&settings.log_dir).unwrap();
+    }
+
+    #[test]
+    fn the_cpu_of_a_binary_and_of_the_processes_it_reaped_is_counted() {
+        let settings = Settings {
+            jobs: 1,
+            log_dir: std::env::temp_dir().join(format!("xtask-cpu-{}", std::process::id())),
+            test_args: Vec::new(),
+            server_binary: None,
+            timeout: Duration::from_secs(60),
+        };
+        // The busy loop runs in a grandchild the shell waits for, as a test's servers do.
+        let busy = |seconds: &str| Job {
+            name: format!("busy {seconds}"),
+            program: "sh".into(),
+            args: vec![
+                "-c".into(),
+                format!("timeout {seconds} sh -c 'while :; do :; done'; exit 3"),
+            ],
+            cwd: std::env::temp_dir(),
+        };
+        let outcomes = run_all(vec![busy("0.3"), busy("1.5")], &settings).unwrap();
+        let cpu = |name: &str| {
+            let outcome = outcomes.iter().find(|o| o.name == name).unwrap();
+            assert_eq!(outcome.status.and_then(|s| s.code()), Some(3));
+            outcome.cpu.unwrap()
+        };
+        assert!(cpu("busy 1.5") > cpu("busy 0.3"), "{:?}", cpu("busy 1.5"));
+        assert!(cpu("busy 0.3") > Duration::ZERO);
         std::fs::remove_dir_all(&settings.log_dir).unwrap();
     }
 
