@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use reports_server_crds::reportsserver::{ExternalPostgresSpec, ReportsServer, ReportsServerSpec};
 use serde_json::{Value, json};
 
-use crate::{MANAGED_BY, OWNER_ANNOTATION};
+use crate::{MANAGED_BY, OWNER_ANNOTATION, rbac};
 
 /// Port the server container listens on.
 pub const SERVER_PORT: i32 = 6443;
@@ -290,6 +290,8 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
         "kind": "ServiceAccount",
         "metadata": owned_meta(rs, &name),
     }));
+    let (rbac_owned, rbac_unowned) = server_rbac(rs);
+    d.owned.extend(rbac_owned);
     d.owned.push(json!({
         "apiVersion": "v1",
         "kind": "Service",
@@ -308,7 +310,7 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
         "metadata": owned_meta(rs, &name),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(rs)}},
     }));
-    d.unowned.extend(server_rbac(rs));
+    d.unowned.extend(rbac_unowned);
     d.api_services = api_services(inputs, &svc, 443, &tls.ca_pem);
     d
 }
@@ -345,72 +347,74 @@ fn api_services(inputs: &Inputs<'_>, svc: &str, port: i32, ca_pem: &str) -> Vec<
         .collect()
 }
 
-/// The server's own RBAC: delegated authentication and authorization, namespaces, leases,
-/// Kyverno policies and admission policies (to drop results of deleted policies), and `get` on any object (to adopt
-/// admission reports written before their subject had a UID).
-fn server_rbac(rs: &ReportsServer) -> Vec<Value> {
+/// The server's bindings to the shipped roles ([`crate::rbac`]): the aggregated server role,
+/// the two built-in roles of delegated authentication, and while a migration may run the
+/// migration's role and its mailbox's Role. The operator writes no role with rights of its own
+/// choosing: it may only bind these (`bind` with `resourceNames`).
+fn server_rbac(rs: &ReportsServer) -> (Vec<Value>, Vec<Value>) {
     let cluster = cluster_name(rs);
     let subject = json!([{"kind": "ServiceAccount", "name": name_of(rs), "namespace": ns_of(rs)}]);
-    let mut rules: Vec<Value> = serde_json::from_value(json!([
-                {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
-                {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
-                {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
-                {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "list", "watch", "create", "update"]},
-                {"apiGroups": ["kyverno.io", "policies.kyverno.io"], "resources": ["*"], "verbs": ["get", "list", "watch"]},
-                // Kyverno also reports on ValidatingAdmissionPolicies and MutatingAdmissionPolicies.
-                {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingadmissionpolicies", "mutatingadmissionpolicies"], "verbs": ["get", "list", "watch"]},
-                {"apiGroups": ["*"], "resources": ["*"], "verbs": ["get"]},
-            ])).expect("rules are a list");
-    if rs.spec.migration.enabled {
-        rules.extend(migration_rules(rs));
-    }
-    vec![
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": unowned_meta(rs, &cluster, None),
-            "rules": rules,
-        }),
+    let cluster_binding = |name: String, role: &str| {
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRoleBinding",
-            "metadata": unowned_meta(rs, &cluster, None),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster},
+            "metadata": unowned_meta(rs, &name, None),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
             "subjects": subject,
-        }),
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": unowned_meta(rs, &format!("{cluster}:auth-delegator"), None),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:auth-delegator"},
-            "subjects": subject,
-        }),
+        })
+    };
+    let mut unowned = vec![
+        cluster_binding(server_binding_name(rs), rbac::SERVER_ROLE),
+        cluster_binding(
+            format!("{cluster}:auth-delegator"),
+            rbac::AUTH_DELEGATOR_ROLE,
+        ),
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
             "metadata": unowned_meta(rs, &format!("{cluster}:auth-reader"), Some("kube-system")),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "extension-apiserver-authentication-reader"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rbac::AUTH_READER_ROLE},
             "subjects": subject,
         }),
-    ]
+    ];
+    let mut owned = Vec::new();
+    if rs.spec.migration.enabled {
+        unowned.push(cluster_binding(
+            migration_binding_name(rs),
+            rbac::MIGRATION_ROLE,
+        ));
+        let mailbox_role = migration_mailbox_role_name(rs);
+        owned.push(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": owned_meta(rs, &mailbox_role),
+            "rules": rbac::to_json(&[rbac::migration_mailbox_rule(&migration_mailbox_name(rs))]),
+        }));
+        owned.push(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": owned_meta(rs, &mailbox_role),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": mailbox_role},
+            "subjects": subject,
+        }));
+    }
+    (owned, unowned)
 }
 
-/// What the server's migration worker does through kube-apiserver: read and write the reports
-/// in CRD storage (copy, mirror, write-back), install the CRDs for a hand-back, fence the CRD
-/// storage with a ValidatingAdmissionPolicy, switch the APIServices, and report in its mailbox.
-fn migration_rules(rs: &ReportsServer) -> Vec<Value> {
-    let all = json!([
-        "get", "list", "watch", "create", "update", "patch", "delete"
-    ]);
-    vec![
-        json!({"apiGroups": ["wgpolicyk8s.io", "reports.kyverno.io", "openreports.io"], "resources": ["*"], "verbs": all}),
-        json!({"apiGroups": ["migration.reportsserver.io"], "resources": ["fenceprobes"], "verbs": ["create"]}),
-        json!({"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": all}),
-        json!({"apiGroups": ["apiregistration.k8s.io"], "resources": ["apiservices"], "verbs": ["get", "list", "watch", "patch", "update"]}),
-        json!({"apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingadmissionpolicies", "validatingadmissionpolicybindings"], "verbs": ["get", "create", "update", "patch", "delete"]}),
-        json!({"apiGroups": ["authentication.k8s.io"], "resources": ["selfsubjectreviews"], "verbs": ["create"]}),
-        json!({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [migration_mailbox_name(rs)], "verbs": ["get", "patch"]}),
-    ]
+/// The ClusterRoleBinding of the server to [`rbac::SERVER_ROLE`]. Not [`cluster_name`], which
+/// earlier releases bound to a ClusterRole of their own: a binding's roleRef cannot change.
+pub fn server_binding_name(rs: &ReportsServer) -> String {
+    format!("{}:server", cluster_name(rs))
+}
+
+/// The ClusterRoleBinding of the server to [`rbac::MIGRATION_ROLE`].
+pub fn migration_binding_name(rs: &ReportsServer) -> String {
+    format!("{}:migration", cluster_name(rs))
+}
+
+/// The Role (and RoleBinding) that lets the server read and write its migration mailbox.
+pub fn migration_mailbox_role_name(rs: &ReportsServer) -> String {
+    format!("{}-mailbox", migration_mailbox_name(rs))
 }
 
 /// How long a terminating server pod keeps serving (`serve --shutdown-delay-seconds`).

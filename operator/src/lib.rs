@@ -34,6 +34,7 @@ pub mod database_check;
 pub mod desired;
 pub mod http;
 pub mod manifests;
+pub mod rbac;
 pub mod status;
 pub mod tls;
 

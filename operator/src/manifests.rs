@@ -2,16 +2,18 @@
 //! operator's ServiceAccount, least-privilege RBAC and Deployment; the kustomization, the Helm
 //! chart and the examples.
 //!
-//! Why generated: the RBAC must be exactly what [`crate::controller`] calls (plus the
-//! permissions it grants to the servers it creates — Kubernetes refuses to let anyone grant
-//! more than they hold, hence `bind`/`escalate` on the server's role names), the CRD must be
-//! the Rust types', and the Helm chart must not drift from install.yaml. One function renders
+//! Why generated: the RBAC must be exactly what [`crate::controller`] calls, and the server's
+//! roles, which ship here because the operator binds them without holding their rights (see
+//! [`crate::rbac`]); the CRD must be the Rust types', and the Helm chart must not drift from
+//! install.yaml. One function renders
 //! every file; `operator/tests/manifests.rs` fails when a committed file differs
 //! (`UPDATE_GENERATED=1` rewrites them).
 
 use std::collections::BTreeMap;
 
 use serde_json::{Value, json};
+
+use crate::rbac;
 
 /// Namespace of the operator in install.yaml.
 pub const NAMESPACE: &str = "reports-server";
@@ -30,31 +32,57 @@ fn labels() -> Value {
     json!({"app.kubernetes.io/name": NAME, "app.kubernetes.io/part-of": "reports-server"})
 }
 
-fn all_verbs() -> Value {
-    json!([
-        "get", "list", "watch", "create", "update", "patch", "delete"
-    ])
+/// The operator's ClusterRole rules (the cluster-scoped part; see [`crate::rbac`]).
+pub fn operator_rules() -> Value {
+    rbac::to_json(&rbac::operator_cluster_rules())
 }
 
-/// The operator's ClusterRole rules.
-pub fn operator_rules() -> Value {
-    json!([
-        {"apiGroups": ["reportsserver.io"], "resources": ["reportsservers"], "verbs": ["get", "list", "watch", "patch", "update"]},
-        {"apiGroups": ["reportsserver.io"], "resources": ["reportsservers/status"], "verbs": ["get", "patch", "update"]},
-        {"apiGroups": ["reportsserver.io"], "resources": ["reportsservers/finalizers"], "verbs": ["update"]},
-        {"apiGroups": [""], "resources": ["services", "serviceaccounts", "secrets", "configmaps"], "verbs": all_verbs()},
-        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": all_verbs()},
-        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": all_verbs()},
-        // The servers' endpoints, to ask each whether it reaches its database (DatabaseAvailable).
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list"]},
-        {"apiGroups": ["apiregistration.k8s.io"], "resources": ["apiservices"], "verbs": all_verbs()},
-        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles", "clusterrolebindings", "rolebindings"], "verbs": all_verbs()},
-        // Granting the servers' roles: `escalate` for the server ClusterRole the operator
-        // writes, `bind` for binding it and the two built-in roles of delegated auth.
-        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"], "verbs": ["bind", "escalate"]},
-        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"], "verbs": ["bind"], "resourceNames": ["extension-apiserver-authentication-reader"]},
-        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-    ])
+fn cluster_role(name: &str, labels: Value, rules: &[rbac::Rule]) -> Value {
+    json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+           "metadata": {"name": name, "labels": labels}, "rules": rbac::to_json(rules)})
+}
+
+/// The server's shipped ClusterRoles: the aggregated one every server is bound to, its two
+/// parts, and the migration's.
+fn server_roles() -> Vec<Value> {
+    let part = || {
+        let mut l = server_labels();
+        l[rbac::AGGREGATE_TO_SERVER] = json!("true");
+        l
+    };
+    vec![
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+               "metadata": {"name": rbac::SERVER_ROLE, "labels": server_labels()},
+               "aggregationRule": {"clusterRoleSelectors": [{"matchLabels": {rbac::AGGREGATE_TO_SERVER: "true"}}]},
+               "rules": []}),
+        cluster_role(rbac::SERVER_CORE_ROLE, part(), &rbac::server_core_rules()),
+        cluster_role(
+            rbac::SERVER_ADOPTION_ROLE,
+            part(),
+            &rbac::server_adoption_rules(),
+        ),
+        cluster_role(
+            rbac::MIGRATION_ROLE,
+            server_labels(),
+            &rbac::migration_rules(),
+        ),
+    ]
+}
+
+fn server_labels() -> Value {
+    json!({"app.kubernetes.io/name": "reports-server", "app.kubernetes.io/part-of": "reports-server"})
+}
+
+fn role_and_binding(name: &str, ns: &str, rules: &[rbac::Rule], sa: &Value) -> [Value; 2] {
+    [
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": {"name": name, "namespace": ns, "labels": labels()},
+               "rules": rbac::to_json(rules)}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": name, "namespace": ns, "labels": labels()},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+               "subjects": sa}),
+    ]
 }
 
 fn with_ns(mut obj: Value, ns: &str) -> Value {
@@ -65,9 +93,9 @@ fn with_ns(mut obj: Value, ns: &str) -> Value {
 /// The objects of install.yaml, with `ns` as namespace and `image` as image.
 fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> Vec<Value> {
     let sa = json!([{"kind": "ServiceAccount", "name": NAME, "namespace": ns}]);
-    vec![
-        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-               "metadata": {"name": NAME, "labels": labels()}, "rules": operator_rules()}),
+    let mut objects = server_roles();
+    objects.extend([
+        cluster_role(NAME, labels(), &rbac::operator_cluster_rules()),
         json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
                "metadata": {"name": NAME, "labels": labels()},
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
@@ -76,19 +104,20 @@ fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> 
             json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": NAME, "labels": labels()}}),
             ns,
         ),
-        with_ns(
-            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-               "metadata": {"name": NAME, "labels": labels()},
-               "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]}),
-            ns,
-        ),
-        with_ns(
-            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": {"name": NAME, "labels": labels()},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": NAME},
-               "subjects": sa}),
-            ns,
-        ),
+    ]);
+    objects.extend(role_and_binding(
+        NAME,
+        ns,
+        &rbac::operator_namespace_rules(),
+        &sa,
+    ));
+    objects.extend(role_and_binding(
+        NAME,
+        "kube-system",
+        &rbac::operator_kube_system_rules(),
+        &sa,
+    ));
+    objects.extend([
         with_ns(
             json!({"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": NAME, "labels": labels()},
@@ -107,6 +136,8 @@ fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> 
                             "env": [
                                 {"name": "REPORTS_SERVER_OPERATOR_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                                 {"name": "REPORTS_SERVER_OPERATOR_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                                // Its namespaced rights are a Role in its own namespace.
+                                {"name": "REPORTS_SERVER_OPERATOR_WATCH_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                                 {"name": "REPORTS_SERVER_OPERATOR_SERVER_IMAGE", "value": image},
                             ],
                             "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
@@ -120,7 +151,8 @@ fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> 
             }}),
             ns,
         ),
-    ]
+    ]);
+    objects
 }
 
 fn yaml_stream(objects: &[Value]) -> String {

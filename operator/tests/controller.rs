@@ -297,7 +297,7 @@ async fn fresh_install_adds_the_finalizer_then_applies_and_becomes_ready() {
         "/api/v1/namespaces/reports-server/services/reports-server",
         "/apis/apps/v1/namespaces/reports-server/statefulsets/reports-server",
         "/apis/policy/v1/namespaces/reports-server/poddisruptionbudgets/reports-server",
-        "/apis/rbac.authorization.k8s.io/v1/clusterroles/reportsserver:reports-server:reports-server",
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/reportsserver:reports-server:reports-server:server",
         "/apis/rbac.authorization.k8s.io/v1/namespaces/kube-system/rolebindings/reportsserver:reports-server:reports-server:auth-reader",
     ] {
         assert!(

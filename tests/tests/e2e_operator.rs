@@ -153,6 +153,7 @@ async fn e2e_operator_external_mode() -> Result<()> {
         )?;
     }
     eprintln!("[e2e] install.yaml applied; kustomize, helm and examples pass server dry-run");
+    least_privilege(&admin).await?;
 
     // A bystander that must survive the ReportsServer's deletion.
     admin.run(&[
@@ -188,6 +189,8 @@ async fn e2e_operator_external_mode() -> Result<()> {
         .arg(&operator_kubeconfig)
         .args(["--metrics-address", &format!("127.0.0.1:{metrics_port}")])
         .args(["--lease-namespace", NS, "--pod-name", "e2e-operator"])
+        // As install.yaml runs it: its namespaced rights are a Role in its own namespace.
+        .args(["--watch-namespace", NS])
         .args(["--progress-requeue-seconds", "1"])
         .args(["--log-format", "json"])
         .env("REPORTS_SERVER_LOG", "info,reports_server_operator=debug")
@@ -476,5 +479,73 @@ async fn argocd_health_lua_judges_reportsserver_statuses() -> Result<()> {
             obj["metadata"]["name"]
         );
     }
+    Ok(())
+}
+
+/// `kubectl auth can-i` as `user`: true for "yes".
+fn can_i(admin: &Kubectl, user: &str, args: &[&str]) -> Result<bool> {
+    let mut all = vec!["auth", "can-i"];
+    all.extend_from_slice(args);
+    all.extend(["--as", user]);
+    let out = admin.output(&all, None)?;
+    let answer = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    ensure!(
+        answer == "yes" || answer == "no",
+        "kubectl auth can-i {args:?} --as {user}: {answer:?} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(answer == "yes")
+}
+
+/// The shipped roles as kube-apiserver evaluates them: neither account reads Secrets anywhere,
+/// the operator cannot escalate and binds only the server's roles, and the aggregated server
+/// role holds what its labelled parts grant once kube-controller-manager has aggregated them.
+async fn least_privilege(admin: &Kubectl) -> Result<()> {
+    let operator = format!("system:serviceaccount:{NS}:reports-server-operator");
+    let server = format!("system:serviceaccount:{NS}:reports-server");
+    // A server's binding as the operator writes it, for a ServiceAccount that needs no pod.
+    admin.run(&[
+        "create",
+        "clusterrolebinding",
+        "e2e-server-rights",
+        "--clusterrole=reports-server",
+        &format!("--serviceaccount={NS}:reports-server"),
+    ])?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !can_i(admin, &server, &["get", "pods", "-A"])? {
+        ensure!(
+            Instant::now() < deadline,
+            "the aggregated ClusterRole reports-server never granted get pods (is the clusterrole-aggregation controller running?)"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for (user, what) in [
+        (&operator, &["get", "secrets", "-A"][..]),
+        (&server, &["get", "secrets", "-A"]),
+        (&server, &["list", "secrets", "-n", NS]),
+        (&operator, &["escalate", "clusterroles"]),
+        (&operator, &["bind", "clusterroles/cluster-admin"]),
+        (&operator, &["create", "clusterroles"]),
+        (&operator, &["get", "secrets", "-n", "kube-system"]),
+        (&server, &["delete", "customresourcedefinitions"]),
+        (&server, &["patch", "apiservices"]),
+    ] {
+        ensure!(!can_i(admin, user, what)?, "{user} may {what:?}");
+    }
+    for (user, what) in [
+        (&operator, &["get", "secrets", "-n", NS][..]),
+        (&operator, &["bind", "clusterroles/reports-server"]),
+        (
+            &operator,
+            &["bind", "clusterroles/reports-server:migration"],
+        ),
+        (&server, &["create", "tokenreviews"]),
+        (&server, &["watch", "clusterpolicies.kyverno.io"]),
+        (&server, &["get", "deployments.apps", "-A"]),
+    ] {
+        ensure!(can_i(admin, user, what)?, "{user} may not {what:?}");
+    }
+    admin.run(&["delete", "clusterrolebinding", "e2e-server-rights"])?;
+    eprintln!("[e2e] least privilege: no Secret read, no escalate, bind only on the shipped roles");
     Ok(())
 }

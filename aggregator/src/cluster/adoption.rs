@@ -347,6 +347,7 @@ pub struct Adopter<R> {
 enum Done {
     Adopted,
     Deleted,
+    Forbidden,
     Pending(Duration),
     Nothing,
 }
@@ -435,7 +436,7 @@ impl<R: EphemeralReports> Adopter<R> {
         for done in results {
             match done {
                 Done::Adopted => outcome.adopted += 1,
-                Done::Deleted => outcome.deleted += 1,
+                Done::Deleted | Done::Forbidden => outcome.deleted += 1,
                 Done::Pending(after) => {
                     outcome.pending += 1;
                     outcome.retry_after = Some(outcome.retry_after.map_or(after, |a| a.min(after)));
@@ -487,6 +488,17 @@ impl<R: EphemeralReports> Adopter<R> {
                 }
             },
             Decision::Delete(reason) => match self.reports.delete(namespace, &meta).await {
+                Ok(Written::Done) if reason == DeleteReason::Forbidden => {
+                    tracing::warn!(
+                        namespace,
+                        report = name,
+                        resource = ?locator,
+                        "deleted an admission report whose resource this server may not read (as Kyverno does); \
+                         to keep such reports, grant `get` on that resource in a ClusterRole labelled \
+                         reportsserver.io/aggregate-to-server=true (docs/operator.md)"
+                    );
+                    Done::Forbidden
+                }
                 Ok(Written::Done) => {
                     tracing::info!(
                         namespace,
@@ -519,6 +531,7 @@ impl<R: EphemeralReports> Adopter<R> {
         let label = match done {
             Done::Adopted => Some(AdoptionOutcomeLabel::Adopted),
             Done::Deleted => Some(AdoptionOutcomeLabel::Deleted),
+            Done::Forbidden => Some(AdoptionOutcomeLabel::Forbidden),
             Done::Pending(_) => Some(AdoptionOutcomeLabel::Pending),
             Done::Nothing => None,
         };

@@ -13,8 +13,11 @@ use prometheus_client::registry::Registry;
 pub enum AdoptionOutcomeLabel {
     /// Owner set from the live resource.
     Adopted,
-    /// Deleted: resource not found within the grace period, or lookup forbidden.
+    /// Deleted: resource not found within the grace period.
     Deleted,
+    /// Deleted because the lookup was refused (403), as Kyverno does: the server's role does
+    /// not grant `get` on that kind (docs/operator.md says how to add it).
+    Forbidden,
     /// Left for a later attempt.
     Pending,
 }
@@ -24,6 +27,7 @@ impl EncodeLabelValue for AdoptionOutcomeLabel {
         encoder.write_str(match self {
             Self::Adopted => "adopted",
             Self::Deleted => "deleted",
+            Self::Forbidden => "forbidden",
             Self::Pending => "pending",
         })
     }
@@ -64,7 +68,7 @@ impl ClusterMetrics {
         );
         r.register(
             "adoptions",
-            "Un-owned admission ephemeral reports adopted, deleted or left pending",
+            "Un-owned admission ephemeral reports adopted, deleted (resource gone, or lookup forbidden) or left pending",
             m.adoptions.clone(),
         );
         r.register(

@@ -310,6 +310,11 @@ pub(super) async fn remove_turned_off(
     migrating: &mut Vec<String>,
 ) -> Result<(), Error> {
     tracing::debug!("objects the spec no longer asks for");
+    if rs.spec.migration.enabled {
+        super::removal::remove_cluster_bindings(rs, ctx, &[]).await?;
+    } else {
+        super::removal::remove_migration_rights(rs, ctx).await?;
+    }
     for (group, version) in GROUP_VERSIONS {
         if rs.spec.enabled_groups().contains(&(version, group)) {
             continue;

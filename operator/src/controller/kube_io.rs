@@ -25,6 +25,7 @@ pub(super) fn api_resource(obj: &Value) -> ApiResource {
         "PodDisruptionBudget" => "poddisruptionbudgets",
         "ClusterRole" => "clusterroles",
         "ClusterRoleBinding" => "clusterrolebindings",
+        "Role" => "roles",
         "RoleBinding" => "rolebindings",
         "APIService" => "apiservices",
         other => panic!("desired objects never have kind {other}"),

@@ -223,20 +223,16 @@ pub(super) async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action,
         .await;
     }
     let cluster = desired::cluster_name(rs);
-    let crb: Api<k8s_openapi::api::rbac::v1::ClusterRoleBinding> = Api::all(ctx.client.clone());
-    for name in [format!("{cluster}:auth-delegator"), cluster.clone()] {
-        if let Some(o) = get_opt(&crb, &name).await?
-            && is_ours(&o, rs)
-        {
-            delete_ignoring_missing(&crb, &name).await?;
-        }
-    }
-    let cr: Api<k8s_openapi::api::rbac::v1::ClusterRole> = Api::all(ctx.client.clone());
-    if let Some(o) = get_opt(&cr, &cluster).await?
-        && is_ours(&o, rs)
-    {
-        delete_ignoring_missing(&cr, &cluster).await?;
-    }
+    remove_cluster_bindings(
+        rs,
+        ctx,
+        &[
+            desired::server_binding_name(rs),
+            desired::migration_binding_name(rs),
+            format!("{cluster}:auth-delegator"),
+        ],
+    )
+    .await?;
     let rb: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
         Api::namespaced(ctx.client.clone(), "kube-system");
     let name = format!("{cluster}:auth-reader");
@@ -246,4 +242,50 @@ pub(super) async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action,
         delete_ignoring_missing(&rb, &name).await?;
     }
     Ok(Action::await_change())
+}
+
+/// Deletes those of `bindings` (ClusterRoleBindings) that belong to this installation, then what
+/// earlier releases wrote per installation instead of binding the shipped roles: a ClusterRole
+/// named [`desired::cluster_name`] and its binding of the same name.
+pub(super) async fn remove_cluster_bindings(
+    rs: &ReportsServer,
+    ctx: &Context,
+    bindings: &[String],
+) -> Result<(), Error> {
+    let legacy = desired::cluster_name(rs);
+    let crb: Api<k8s_openapi::api::rbac::v1::ClusterRoleBinding> = Api::all(ctx.client.clone());
+    for name in bindings.iter().chain([&legacy]) {
+        if let Some(o) = get_opt(&crb, name).await?
+            && is_ours(&o, rs)
+        {
+            delete_ignoring_missing(&crb, name).await?;
+        }
+    }
+    let cr: Api<k8s_openapi::api::rbac::v1::ClusterRole> = Api::all(ctx.client.clone());
+    if let Some(o) = get_opt(&cr, &legacy).await?
+        && is_ours(&o, rs)
+    {
+        delete_ignoring_missing(&cr, &legacy).await?;
+    }
+    Ok(())
+}
+
+/// Removes the migration's rights once `spec.migration.enabled` is off: its ClusterRoleBinding
+/// and the Role and RoleBinding of its mailbox.
+pub(super) async fn remove_migration_rights(
+    rs: &ReportsServer,
+    ctx: &Context,
+) -> Result<(), Error> {
+    remove_cluster_bindings(rs, ctx, &[desired::migration_binding_name(rs)]).await?;
+    let ns = rs.namespace().unwrap_or_default();
+    let name = desired::migration_mailbox_role_name(rs);
+    let rb: Api<k8s_openapi::api::rbac::v1::RoleBinding> = Api::namespaced(ctx.client.clone(), &ns);
+    if get_opt(&rb, &name).await?.is_some() {
+        delete_ignoring_missing(&rb, &name).await?;
+    }
+    let role: Api<k8s_openapi::api::rbac::v1::Role> = Api::namespaced(ctx.client.clone(), &ns);
+    if get_opt(&role, &name).await?.is_some() {
+        delete_ignoring_missing(&role, &name).await?;
+    }
+    Ok(())
 }
