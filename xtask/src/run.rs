@@ -22,6 +22,27 @@ pub struct Settings {
     /// How long one binary may run before it is killed and counted as failed: a hung test
     /// then costs this, not the rest of CI's time, and its log names what was still running.
     pub timeout: Duration,
+    /// Test threads for binaries whose tests mostly wait (`RUST_TEST_THREADS`), unless the
+    /// caller chose `--test-threads` or set `RUST_TEST_THREADS` itself.
+    pub test_threads: Vec<(String, usize)>,
+}
+
+impl Settings {
+    /// `env_chosen`: `RUST_TEST_THREADS` is set in xtask's own environment.
+    fn test_threads_for(&self, job: &str, env_chosen: bool) -> Option<usize> {
+        let chosen = env_chosen
+            || self
+                .test_args
+                .iter()
+                .any(|a| a.starts_with("--test-threads"));
+        if chosen {
+            return None;
+        }
+        self.test_threads
+            .iter()
+            .find(|(name, _)| name == job)
+            .map(|(_, threads)| *threads)
+    }
 }
 
 /// How one job ended.
@@ -178,6 +199,10 @@ fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<(Ende
         .stdin(Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out);
+    let env_chosen = std::env::var_os("RUST_TEST_THREADS").is_some();
+    if let Some(threads) = settings.test_threads_for(&job.name, env_chosen) {
+        command.env("RUST_TEST_THREADS", threads.to_string());
+    }
     if let Some(server) = &settings.server_binary
         && std::env::var_os("REPORTS_SERVER_BIN").is_none()
     {
@@ -391,6 +416,7 @@ mod tests {
             test_args: Vec::new(),
             server_binary: None,
             timeout: Duration::from_secs(60),
+            test_threads: Vec::new(),
         };
         let started = Instant::now();
         let outcomes = run_all(
@@ -416,6 +442,7 @@ mod tests {
             test_args: Vec::new(),
             server_binary: None,
             timeout: Duration::from_millis(500),
+            test_threads: Vec::new(),
         };
         let job = Job {
             name: "hangs".to_owned(),
@@ -440,6 +467,7 @@ mod tests {
             test_args: Vec::new(),
             server_binary: None,
             timeout: Duration::from_secs(60),
+            test_threads: Vec::new(),
         };
         // The busy loop runs in a grandchild the shell waits for, as a test's servers do.
         let busy = |seconds: &str| Job {
@@ -460,6 +488,26 @@ mod tests {
         assert!(cpu("busy 1.5") > cpu("busy 0.3"), "{:?}", cpu("busy 1.5"));
         assert!(cpu("busy 0.3") > Duration::ZERO);
         std::fs::remove_dir_all(&settings.log_dir).unwrap();
+    }
+
+    #[test]
+    fn mostly_waiting_binaries_get_their_threads_unless_the_caller_chose() {
+        let mut settings = Settings {
+            jobs: 1,
+            log_dir: std::env::temp_dir(),
+            test_args: Vec::new(),
+            server_binary: None,
+            timeout: Duration::from_secs(60),
+            test_threads: vec![("tests/conformance".to_owned(), 6)],
+        };
+        assert_eq!(
+            settings.test_threads_for("tests/conformance", false),
+            Some(6)
+        );
+        assert_eq!(settings.test_threads_for("tests/other", false), None);
+        assert_eq!(settings.test_threads_for("tests/conformance", true), None);
+        settings.test_args = vec!["--test-threads=1".to_owned()];
+        assert_eq!(settings.test_threads_for("tests/conformance", false), None);
     }
 
     #[test]
