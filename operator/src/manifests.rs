@@ -32,11 +32,6 @@ fn labels() -> Value {
     json!({"app.kubernetes.io/name": NAME, "app.kubernetes.io/part-of": "reports-server"})
 }
 
-/// The operator's ClusterRole rules (the cluster-scoped part; see [`crate::rbac`]).
-pub fn operator_rules() -> Value {
-    rbac::to_json(&rbac::operator_cluster_rules())
-}
-
 fn cluster_role(name: &str, labels: Value, rules: &[rbac::Rule]) -> Value {
     json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
            "metadata": {"name": name, "labels": labels}, "rules": rbac::to_json(rules)})
@@ -262,7 +257,7 @@ pub fn helm_chart() -> BTreeMap<&'static str, String> {
         (
             "values.yaml",
             format!(
-                "# Image of the operator (the servers default to the same image).\nimage:\n  repository: reports-server\n  tag: \"\"\n  pullPolicy: IfNotPresent\n# Operator replicas (one leads through a Lease; the others stand by).\nreplicas: 1\nresources:\n{}# Extra operator flags, e.g. [\"--watch-namespace=reports-server\"] (see `reports-server operator --help`).\nextraArgs: []\n",
+                "# Image of the operator (the servers default to the same image).\nimage:\n  repository: reports-server\n  tag: \"\"\n  pullPolicy: IfNotPresent\n# Operator replicas (one leads through a Lease; the others stand by).\nreplicas: 1\nresources:\n{}# Extra operator flags, e.g. [\"--ready-requeue-seconds=600\"] (see `reports-server operator --help`).\nextraArgs: []\n",
                 serde_yaml::to_string(&default_resources())
                     .expect("serializes")
                     .lines()
