@@ -302,6 +302,18 @@ pub fn operator_cluster_rules() -> Vec<Rule> {
             &api_service_names(),
         ),
         rule(
+            &["reportsserver.io"],
+            &["reportsservers"],
+            &["get", "list", "watch"],
+            "sees ReportsServers outside the namespace it manages, to tell them in an Event that they are not reconciled",
+        ),
+        rule(
+            &["", "events.k8s.io"],
+            &["events"],
+            &["create", "patch"],
+            "Events on the ReportsServers, including those outside the namespace it manages",
+        ),
+        rule(
             &["rbac.authorization.k8s.io"],
             &["clusterrolebindings"],
             &["get", "create", "update", "patch", "delete"],
@@ -375,12 +387,6 @@ pub fn operator_namespace_rules() -> Vec<Rule> {
             &["endpointslices"],
             &["get", "list"],
             "asks each server endpoint whether it reaches its database (DatabaseAvailable)",
-        ),
-        rule(
-            &["", "events.k8s.io"],
-            &["events"],
-            &["create", "patch"],
-            "Events on the ReportsServers",
         ),
         rule(
             &["coordination.k8s.io"],

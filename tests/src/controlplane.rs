@@ -1029,9 +1029,15 @@ fn spawn_from_reaper_thread(cmd: Command) -> io::Result<Child> {
 
 // ---- binaries ----------------------------------------------------------------------------------
 
-/// Workspace root (the parent of this crate's directory).
+/// Workspace root (the parent of this crate's directory), read at run time: `cargo test` and
+/// `cargo xtask test` set `CARGO_MANIFEST_DIR` for the binaries they run. The value compiled in
+/// is only the fallback: with a target directory shared by several checkouts (CI's cache, a
+/// developer's clones) cargo reuses this library when its sources are the same, and the path
+/// compiled in is then another checkout's, whose manifests and fixtures may be older.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
         .parent()
         .expect("tests crate has a parent directory")
         .to_path_buf()

@@ -26,10 +26,7 @@ pub fn binary() -> anyhow::Result<PathBuf> {
             };
         }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .unwrap()
-            .to_owned();
+        let root = crate::controlplane::workspace_root();
         // Same package selection and targets as `cargo test --workspace`, so features unify the
         // same way and this is a no-op after the test build instead of a second dependency build.
         let out = Command::new(cargo)

@@ -320,6 +320,55 @@ async fn e2e_operator_external_mode() -> Result<()> {
         "{metrics}"
     );
 
+    // A ReportsServer outside the operator's namespace: left alone, with an Event saying why.
+    admin.run(&["create", "namespace", "elsewhere"])?;
+    let mut foreign = docs[0].clone();
+    foreign["metadata"]["namespace"] = json!("elsewhere");
+    admin.run_with_stdin(
+        &["apply", "-f", "-"],
+        Some(&serde_yaml::to_string(&foreign)?),
+    )?;
+    let t_foreign = Instant::now();
+    loop {
+        let events = admin.run(&[
+            "get",
+            "events",
+            "-n",
+            "elsewhere",
+            "--field-selector",
+            "reason=NotReconciled",
+            "-o",
+            "name",
+        ])?;
+        if !events.trim().is_empty() {
+            break;
+        }
+        ensure!(
+            t_foreign.elapsed() < Duration::from_secs(30),
+            "no NotReconciled Event for a ReportsServer outside {NS}\n{}",
+            operator_log()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let foreign: Value = serde_json::from_str(&admin.run(&[
+        "get",
+        "rsrv",
+        "-n",
+        "elsewhere",
+        "reports-server",
+        "-o",
+        "json",
+    ])?)?;
+    ensure!(
+        foreign["metadata"]["finalizers"].is_null() && foreign["status"].is_null(),
+        "a ReportsServer outside {NS} was reconciled: {foreign:#}"
+    );
+    admin.run(&["delete", "rsrv", "-n", "elsewhere", "reports-server"])?;
+    eprintln!(
+        "[e2e] a ReportsServer outside {NS} is not reconciled: Event after {:.1?}",
+        t_foreign.elapsed()
+    );
+
     // 4. Deletion: APIServices first, then the Service (garbage collector), nothing else.
     let apis: Api<APIService> = Api::all(client.clone());
     let services: Api<Service> = Api::namespaced(client.clone(), NS);

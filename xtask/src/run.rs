@@ -196,6 +196,9 @@ fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<(Ende
         .args(&job.args)
         .args(&settings.test_args)
         .current_dir(&job.cwd)
+        // As `cargo test` does: tests find their fixtures from it at run time, since a binary
+        // reused from another checkout's build carries that checkout's path compiled in.
+        .env("CARGO_MANIFEST_DIR", &job.cwd)
         .stdin(Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out);

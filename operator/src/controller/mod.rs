@@ -20,6 +20,7 @@
 
 mod certificates;
 mod database;
+mod foreign;
 mod install;
 mod kube_io;
 mod removal;
@@ -254,6 +255,12 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         };
     }
     let controller = Controller::new(rs_api, watcher::Config::default().any_semantic());
+    if let Some(managed) = ctx.config.watch_namespace.clone() {
+        tokio::spawn(
+            foreign::run(ctx.clone(), managed, stop.clone())
+                .instrument(tracing::info_span!("foreign_reports_servers")),
+        );
+    }
     let (database_changed, reconcile_database) = futures::channel::mpsc::unbounded();
     tokio::spawn(
         database_check::run(
