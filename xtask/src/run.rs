@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -196,12 +196,16 @@ fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<(Ende
         .args(&job.args)
         .args(&settings.test_args)
         .current_dir(&job.cwd)
-        // As `cargo test` does: tests find their fixtures from it at run time, since a binary
-        // reused from another checkout's build carries that checkout's path compiled in.
-        .env("CARGO_MANIFEST_DIR", &job.cwd)
         .stdin(Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out);
+    // As `cargo test` does for a test binary: tests find their fixtures from it at run time,
+    // since a binary reused from another checkout's build carries that checkout's path. Not for
+    // cargo itself (the doc tests): crates whose build tracks the variable (sqlx's macros) would
+    // rebuild.
+    if Path::new(&job.program).file_stem() != Some(std::ffi::OsStr::new("cargo")) {
+        command.env("CARGO_MANIFEST_DIR", &job.cwd);
+    }
     let env_chosen = std::env::var_os("RUST_TEST_THREADS").is_some();
     if let Some(threads) = settings.test_threads_for(&job.name, env_chosen) {
         command.env("RUST_TEST_THREADS", threads.to_string());
