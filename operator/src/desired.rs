@@ -383,20 +383,11 @@ fn server_rbac(rs: &ReportsServer) -> (Vec<Value>, Vec<Value>) {
             migration_binding_name(rs),
             rbac::MIGRATION_ROLE,
         ));
-        let mailbox_role = migration_mailbox_role_name(rs);
-        owned.push(json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": owned_meta(rs, &mailbox_role),
-            "rules": rbac::to_json(&[rbac::migration_mailbox_rule(&migration_mailbox_name(rs))]),
-        }));
-        owned.push(json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": owned_meta(rs, &mailbox_role),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": mailbox_role},
-            "subjects": subject,
-        }));
+        owned.extend(rbac::role_and_binding(
+            &owned_meta(rs, &migration_mailbox_role_name(rs)),
+            &[rbac::migration_mailbox_rule(&migration_mailbox_name(rs))],
+            &subject,
+        ));
     }
     (owned, unowned)
 }

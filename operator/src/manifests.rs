@@ -69,15 +69,11 @@ fn server_labels() -> Value {
 }
 
 fn role_and_binding(name: &str, ns: &str, rules: &[rbac::Rule], sa: &Value) -> [Value; 2] {
-    [
-        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-               "metadata": {"name": name, "namespace": ns, "labels": labels()},
-               "rules": rbac::to_json(rules)}),
-        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": {"name": name, "namespace": ns, "labels": labels()},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-               "subjects": sa}),
-    ]
+    rbac::role_and_binding(
+        &json!({"name": name, "namespace": ns, "labels": labels()}),
+        rules,
+        sa,
+    )
 }
 
 fn with_ns(mut obj: Value, ns: &str) -> Value {

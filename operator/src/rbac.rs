@@ -418,6 +418,20 @@ pub fn operator_kube_system_rules() -> Vec<Rule> {
     ]
 }
 
+/// A Role with `rules` and the RoleBinding of `subjects` to it, both with `metadata` (which
+/// names them and says where they live).
+pub fn role_and_binding(metadata: &Value, rules: &[Rule], subjects: &Value) -> [Value; 2] {
+    let name = &metadata["name"];
+    [
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": metadata, "rules": to_json(rules)}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": metadata,
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+               "subjects": subjects}),
+    ]
+}
+
 /// The rules as a `rules:` list.
 pub fn to_json(rules: &[Rule]) -> Value {
     Value::Array(rules.iter().map(Rule::to_json).collect())

@@ -38,6 +38,11 @@ pub struct Job {
     pub args: Vec<String>,
     /// The package's directory, where `cargo test` would run the binary.
     pub cwd: PathBuf,
+    /// `CARGO_MANIFEST_DIR` for a test binary, as `cargo test` sets it: tests find their
+    /// fixtures from it at run time, since a binary reused from another checkout's build carries
+    /// that checkout's path. `None` for cargo itself (the doc tests): crates whose build tracks
+    /// the variable (sqlx's macros) would rebuild.
+    pub manifest_dir: Option<PathBuf>,
 }
 
 /// What one build produced.
@@ -154,6 +159,7 @@ fn collect(message: Message, built: &mut Built) {
         name,
         program: executable,
         args: Vec::new(),
+        manifest_dir: Some(cwd.clone()),
         cwd,
     });
 }
@@ -168,6 +174,7 @@ pub fn doc_tests(workspace: &Path) -> Job {
             .map(String::from)
             .to_vec(),
         cwd: workspace.to_path_buf(),
+        manifest_dir: None,
     }
 }
 

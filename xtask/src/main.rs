@@ -124,10 +124,7 @@ fn test(args: TestArgs) -> Result<bool> {
         test_args: args.test_args,
         server_binary: built.server_binary,
         timeout: Duration::from_secs(args.timeout_minutes * 60),
-        test_threads: MOSTLY_WAITING
-            .iter()
-            .map(|(name, threads)| ((*name).to_owned(), *threads))
-            .collect(),
+        test_threads: MOSTLY_WAITING,
     };
     let (alone, together): (Vec<_>, Vec<_>) = jobs
         .into_iter()

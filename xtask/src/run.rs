@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -24,7 +24,7 @@ pub struct Settings {
     pub timeout: Duration,
     /// Test threads for binaries whose tests mostly wait (`RUST_TEST_THREADS`), unless the
     /// caller chose `--test-threads` or set `RUST_TEST_THREADS` itself.
-    pub test_threads: Vec<(String, usize)>,
+    pub test_threads: &'static [(&'static str, usize)],
 }
 
 impl Settings {
@@ -40,7 +40,7 @@ impl Settings {
         }
         self.test_threads
             .iter()
-            .find(|(name, _)| name == job)
+            .find(|(name, _)| *name == job)
             .map(|(_, threads)| *threads)
     }
 }
@@ -199,12 +199,8 @@ fn spawn_and_wait(job: &Job, settings: &Settings, log: &PathBuf) -> Result<(Ende
         .stdin(Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out);
-    // As `cargo test` does for a test binary: tests find their fixtures from it at run time,
-    // since a binary reused from another checkout's build carries that checkout's path. Not for
-    // cargo itself (the doc tests): crates whose build tracks the variable (sqlx's macros) would
-    // rebuild.
-    if Path::new(&job.program).file_stem() != Some(std::ffi::OsStr::new("cargo")) {
-        command.env("CARGO_MANIFEST_DIR", &job.cwd);
+    if let Some(dir) = &job.manifest_dir {
+        command.env("CARGO_MANIFEST_DIR", dir);
     }
     let env_chosen = std::env::var_os("RUST_TEST_THREADS").is_some();
     if let Some(threads) = settings.test_threads_for(&job.name, env_chosen) {
@@ -409,6 +405,17 @@ pub fn report(outcomes: &[Outcome]) -> bool {
 mod tests {
     use super::*;
 
+    fn settings(dir: &str, jobs: usize, timeout: Duration) -> Settings {
+        Settings {
+            jobs,
+            log_dir: std::env::temp_dir().join(format!("xtask-{dir}-{}", std::process::id())),
+            test_args: Vec::new(),
+            server_binary: None,
+            timeout,
+            test_threads: &[],
+        }
+    }
+
     #[test]
     fn jobs_run_at_the_same_time_up_to_the_slots() {
         let sleep = |name: &str| Job {
@@ -416,15 +423,9 @@ mod tests {
             program: "sleep".into(),
             args: vec!["1".into()],
             cwd: std::env::temp_dir(),
+            manifest_dir: None,
         };
-        let settings = Settings {
-            jobs: 3,
-            log_dir: std::env::temp_dir().join(format!("xtask-run-{}", std::process::id())),
-            test_args: Vec::new(),
-            server_binary: None,
-            timeout: Duration::from_secs(60),
-            test_threads: Vec::new(),
-        };
+        let settings = settings("run", 3, Duration::from_secs(60));
         let started = Instant::now();
         let outcomes = run_all(
             vec![sleep("a"), sleep("b"), sleep("c"), sleep("d")],
@@ -443,19 +444,13 @@ mod tests {
 
     #[test]
     fn a_job_past_the_timeout_is_killed_and_fails() {
-        let settings = Settings {
-            jobs: 1,
-            log_dir: std::env::temp_dir().join(format!("xtask-timeout-{}", std::process::id())),
-            test_args: Vec::new(),
-            server_binary: None,
-            timeout: Duration::from_millis(500),
-            test_threads: Vec::new(),
-        };
+        let settings = settings("timeout", 1, Duration::from_millis(500));
         let job = Job {
             name: "hangs".to_owned(),
             program: "sleep".into(),
             args: vec!["30".into()],
             cwd: std::env::temp_dir(),
+            manifest_dir: None,
         };
         let started = Instant::now();
         let outcomes = run_all(vec![job], &settings).unwrap();
@@ -468,14 +463,7 @@ mod tests {
 
     #[test]
     fn the_cpu_of_a_binary_and_of_the_processes_it_reaped_is_counted() {
-        let settings = Settings {
-            jobs: 1,
-            log_dir: std::env::temp_dir().join(format!("xtask-cpu-{}", std::process::id())),
-            test_args: Vec::new(),
-            server_binary: None,
-            timeout: Duration::from_secs(60),
-            test_threads: Vec::new(),
-        };
+        let settings = settings("cpu", 1, Duration::from_secs(60));
         // The busy loop runs in a grandchild the shell waits for, as a test's servers do.
         let busy = |seconds: &str| Job {
             name: format!("busy {seconds}"),
@@ -485,6 +473,7 @@ mod tests {
                 format!("timeout {seconds} sh -c 'while :; do :; done'; exit 3"),
             ],
             cwd: std::env::temp_dir(),
+            manifest_dir: None,
         };
         let outcomes = run_all(vec![busy("0.3"), busy("1.5")], &settings).unwrap();
         let cpu = |name: &str| {
@@ -499,14 +488,8 @@ mod tests {
 
     #[test]
     fn mostly_waiting_binaries_get_their_threads_unless_the_caller_chose() {
-        let mut settings = Settings {
-            jobs: 1,
-            log_dir: std::env::temp_dir(),
-            test_args: Vec::new(),
-            server_binary: None,
-            timeout: Duration::from_secs(60),
-            test_threads: vec![("tests/conformance".to_owned(), 6)],
-        };
+        let mut settings = settings("threads", 1, Duration::from_secs(60));
+        settings.test_threads = &[("tests/conformance", 6)];
         assert_eq!(
             settings.test_threads_for("tests/conformance", false),
             Some(6)

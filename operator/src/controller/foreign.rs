@@ -23,12 +23,12 @@ use super::Context;
 pub const NOT_RECONCILED: &str = "NotReconciled";
 
 /// Watches ReportsServers in every namespace until `stop` and publishes [`NOT_RECONCILED`] once
-/// per object (by UID) outside `managed`.
+/// per live object (by UID) outside `managed`.
 pub(super) async fn run(ctx: Arc<Context>, managed: String, stop: CancellationToken) {
     let api: Api<ReportsServer> = Api::all(ctx.client.clone());
-    let mut events = watcher::watcher(api, watcher::Config::default())
-        .default_backoff()
-        .boxed();
+    // The managed namespace is the controller's; kube-apiserver leaves it out of this watch.
+    let elsewhere = watcher::Config::default().fields(&format!("metadata.namespace!={managed}"));
+    let mut events = watcher::watcher(api, elsewhere).default_backoff().boxed();
     let mut told: HashSet<String> = HashSet::new();
     loop {
         let event = tokio::select! {
@@ -38,6 +38,11 @@ pub(super) async fn run(ctx: Arc<Context>, managed: String, stop: CancellationTo
         let rs = match event {
             None => return,
             Some(Ok(Event::Apply(rs) | Event::InitApply(rs))) => rs,
+            // Forgotten once gone, so the set holds only live objects.
+            Some(Ok(Event::Delete(rs))) => {
+                told.remove(&rs.uid().unwrap_or_default());
+                continue;
+            }
             Some(Ok(_)) => continue,
             Some(Err(e)) => {
                 tracing::debug!(error = %e, "watching ReportsServers in every namespace");
@@ -46,7 +51,7 @@ pub(super) async fn run(ctx: Arc<Context>, managed: String, stop: CancellationTo
         };
         let namespace = rs.namespace().unwrap_or_default();
         let uid = rs.uid().unwrap_or_default();
-        if namespace == managed || rs.metadata.deletion_timestamp.is_some() || !told.insert(uid) {
+        if rs.metadata.deletion_timestamp.is_some() || !told.insert(uid) {
             continue;
         }
         tracing::warn!(namespace, reports_server = %rs.name_any(), managed, "a ReportsServer outside the managed namespace is not reconciled");

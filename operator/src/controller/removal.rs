@@ -280,12 +280,9 @@ pub(super) async fn remove_migration_rights(
     let ns = rs.namespace().unwrap_or_default();
     let name = desired::migration_mailbox_role_name(rs);
     let rb: Api<k8s_openapi::api::rbac::v1::RoleBinding> = Api::namespaced(ctx.client.clone(), &ns);
-    if get_opt(&rb, &name).await?.is_some() {
-        delete_ignoring_missing(&rb, &name).await?;
-    }
+    // One request each, present or not: a DELETE that finds nothing costs what a GET would.
+    delete_ignoring_missing(&rb, &name).await?;
     let role: Api<k8s_openapi::api::rbac::v1::Role> = Api::namespaced(ctx.client.clone(), &ns);
-    if get_opt(&role, &name).await?.is_some() {
-        delete_ignoring_missing(&role, &name).await?;
-    }
+    delete_ignoring_missing(&role, &name).await?;
     Ok(())
 }
