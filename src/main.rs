@@ -493,25 +493,32 @@ fn spawn_migration(
 pub(crate) async fn cluster_client(
     kubeconfig: Option<&std::path::Path>,
 ) -> anyhow::Result<kube::Client> {
+    kube::Client::try_from(cluster_config(kubeconfig).await?)
+        .context("cannot build a Kubernetes client")
+}
+
+/// The client configuration from `kubeconfig`, or inferred (in a pod, then `$KUBECONFIG`).
+pub(crate) async fn cluster_config(
+    kubeconfig: Option<&std::path::Path>,
+) -> anyhow::Result<kube::Config> {
     match kubeconfig {
-        Some(path) => client_from_kubeconfig(path).await,
-        None => {
-            let config = kube::Config::infer().await.context(
-                "delegated mode needs cluster access: run in a pod, or pass --kubeconfig",
-            )?;
-            Ok(kube::Client::try_from(config)?)
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .with_context(|| format!("kubeconfig {} is not usable", path.display()))
         }
+        None => kube::Config::infer()
+            .await
+            .context("delegated mode needs cluster access: run in a pod, or pass --kubeconfig"),
     }
 }
 
 /// A client for the current context of a kubeconfig file.
 pub(crate) async fn client_from_kubeconfig(path: &std::path::Path) -> anyhow::Result<kube::Client> {
-    let kc = kube::config::Kubeconfig::read_from(path)
-        .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
-    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .with_context(|| format!("kubeconfig {} is not usable", path.display()))?;
-    kube::Client::try_from(config).context("cannot build a Kubernetes client")
+    kube::Client::try_from(cluster_config(Some(path)).await?)
+        .context("cannot build a Kubernetes client")
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use tracing::Instrument;
 
+use anyhow::Context as _;
 use clap::Args;
 use reports_server_election::kube_lease as lease;
 use reports_server_operator::{LeaseConfig, OperatorConfig, RunOptions};
@@ -19,9 +20,25 @@ pub struct OperatorArgs {
     /// Image of the servers when a ReportsServer names none.
     #[arg(long, env = "REPORTS_SERVER_OPERATOR_SERVER_IMAGE", default_value = reports_server_operator::DEFAULT_IMAGE)]
     server_image: String,
+    /// What `spec.image` of a ReportsServer may name, comma-separated: repositories (every tag
+    /// and digest of `ghcr.io/acme/reports-server`), prefixes ending in `/` (every repository
+    /// under `registry.corp/mirror/`) or `*` (anything: whoever may create a ReportsServer then
+    /// runs any image with the server's cluster-wide rights) [default: the repository of
+    /// --server-image].
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_ALLOWED_SERVER_IMAGES",
+        value_delimiter = ','
+    )]
+    allowed_server_images: Vec<String>,
     /// Watch ReportsServers in this namespace only [default: all namespaces].
     #[arg(long, env = "REPORTS_SERVER_OPERATOR_WATCH_NAMESPACE")]
     watch_namespace: Option<String>,
+    /// The operator's own Deployment (in --watch-namespace): when it is deleted, the stopping
+    /// operator removes its finalizer from its ReportsServers, as when that namespace is
+    /// terminating or its own account is refused [default: none, only those two].
+    #[arg(long, env = "REPORTS_SERVER_OPERATOR_DEPLOYMENT_NAME")]
+    deployment_name: Option<String>,
     /// Address of /metrics, /healthz and /readyz.
     #[arg(
         long,
@@ -103,15 +120,23 @@ pub struct OperatorArgs {
 }
 
 pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
-    let client = crate::cluster_client(args.kubeconfig.as_deref()).await?;
+    let client_config = crate::cluster_config(args.kubeconfig.as_deref()).await?;
+    let client = kube::Client::try_from(client_config.clone())
+        .context("cannot build a Kubernetes client")?;
     let identity = args
         .pod_name
         .clone()
         .unwrap_or_else(lease::default_identity);
     let options = RunOptions {
         config: OperatorConfig {
+            allowed_images: if args.allowed_server_images.is_empty() {
+                vec![reports_server_operator::desired::image_repository(&args.server_image).into()]
+            } else {
+                args.allowed_server_images
+            },
             default_image: args.server_image,
             watch_namespace: args.watch_namespace,
+            deployment_name: args.deployment_name,
             progress_requeue: Duration::from_secs(args.progress_requeue_seconds),
             degraded_requeue: Duration::from_secs(args.degraded_requeue_seconds),
             ready_requeue: Duration::from_secs(args.ready_requeue_seconds),
@@ -128,6 +153,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
             lease.retry_interval = Duration::from_secs(args.lease_retry_seconds.max(1));
             lease
         }),
+        client_config: Some(client_config),
     };
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();

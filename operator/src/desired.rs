@@ -120,6 +120,44 @@ pub fn database_of(spec: &ReportsServerSpec) -> Result<Database, InvalidSpec> {
     }
 }
 
+/// The repository of an image reference: `registry:5000/team/name:tag@sha256:…` →
+/// `registry:5000/team/name` (a port is not a tag: only a `:` after the last `/` starts one).
+pub fn image_repository(image: &str) -> &str {
+    let image = image.split_once('@').map_or(image, |(repo, _)| repo);
+    let name_start = image.rfind('/').map_or(0, |i| i + 1);
+    match image[name_start..].find(':') {
+        Some(colon) => &image[..name_start + colon],
+        None => image,
+    }
+}
+
+/// Whether `spec.image` may run: the server runs with cluster-wide rights (TokenReviews,
+/// SubjectAccessReviews, reads of policies and workloads), so whoever may create a ReportsServer
+/// must not be able to run an image of their choice with them. `allowed` holds repositories
+/// (`ghcr.io/acme/reports-server` allows every tag and digest of it), prefixes ending in `/`
+/// (every repository under a registry path) or `*` (anything).
+pub fn check_image(spec: &ReportsServerSpec, allowed: &[String]) -> Result<(), InvalidSpec> {
+    let Some(image) = spec.image.as_deref() else {
+        return Ok(());
+    };
+    let repository = image_repository(image);
+    let permitted = allowed.iter().any(|a| {
+        a == "*" || a == repository || (a.ends_with('/') && repository.starts_with(a.as_str()))
+    });
+    if permitted {
+        return Ok(());
+    }
+    Err(InvalidSpec {
+        reason: "ImageNotAllowed",
+        message: format!(
+            "spec.image {image:?} is not in the operator's --allowed-server-images ({}); \
+             remove spec.image to run the operator's default, or ask the operator's admin to \
+             allow {repository:?}",
+            allowed.join(", ")
+        ),
+    })
+}
+
 /// Serving TLS for an in-cluster server.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tls {
@@ -142,6 +180,10 @@ pub struct Inputs<'a> {
     pub default_image: &'a str,
     /// APIServices that exist, are not ours, and must be left alone (no takeover asked).
     pub foreign_api_services: Vec<String>,
+    /// UID of the ReportsServer's Namespace: the owner of the objects the ReportsServer cannot
+    /// own, so the garbage collector removes them with the namespace even when the operator is
+    /// gone. `None` when the operator may not read it (then only the finalizer removes them).
+    pub namespace_uid: Option<String>,
 }
 
 /// The objects of one installation, in apply order.
@@ -149,9 +191,10 @@ pub struct Inputs<'a> {
 pub struct Desired {
     /// Namespaced objects in the ReportsServer's namespace, owned by it.
     pub owned: Vec<Value>,
-    /// Cluster-scoped RBAC and the RoleBinding in kube-system (deleted by the finalizer).
+    /// Cluster-scoped RBAC and the RoleBinding in kube-system (deleted by the finalizer, or by
+    /// the garbage collector with the namespace).
     pub unowned: Vec<Value>,
-    /// The APIServices (deleted first by the finalizer).
+    /// The APIServices (deleted first by the finalizer, or with the namespace).
     pub api_services: Vec<Value>,
 }
 
@@ -232,9 +275,17 @@ fn owned_meta(rs: &ReportsServer, name: &str) -> Value {
     })
 }
 
-/// Metadata of an object the ReportsServer cannot own: the annotation records the owner so the
-/// finalizer (and the watch on APIServices) can find it.
-fn unowned_meta(rs: &ReportsServer, name: &str, namespace: Option<&str>) -> Value {
+/// Metadata of an object the ReportsServer cannot own (a namespaced owner cannot own what is
+/// cluster-scoped or in another namespace): the annotation records the owner so the finalizer
+/// (and the watch on APIServices) can find it, and the Namespace owns it, so that an uninstall
+/// the operator does not live through (its namespace deleted with it) leaves nothing routed to
+/// nothing. No `blockOwnerDeletion`: that would need `update` on namespaces' finalizers.
+fn unowned_meta(
+    rs: &ReportsServer,
+    namespace_uid: Option<&str>,
+    name: &str,
+    namespace: Option<&str>,
+) -> Value {
     let mut meta = json!({
         "name": name,
         "labels": labels(rs),
@@ -243,7 +294,37 @@ fn unowned_meta(rs: &ReportsServer, name: &str, namespace: Option<&str>) -> Valu
     if let Some(ns) = namespace {
         meta["namespace"] = json!(ns);
     }
+    if let Some(uid) = namespace_uid {
+        meta["ownerReferences"] =
+            json!([{"apiVersion": "v1", "kind": "Namespace", "name": ns_of(rs), "uid": uid}]);
+    }
     meta
+}
+
+/// Name of the ServiceAccount, Role and RoleBinding through which the operator removes its
+/// finalizer when it is uninstalled (`controller::release`): they belong to the ReportsServer,
+/// so they outlive the operator's own ServiceAccount and RBAC.
+pub fn release_account_name(rs: &ReportsServer) -> String {
+    format!("{}-release", name_of(rs))
+}
+
+/// The release account: no pod runs as it (no token is mounted); the operator mints short-lived
+/// tokens for it.
+fn release_account(rs: &ReportsServer) -> Vec<Value> {
+    let name = release_account_name(rs);
+    let subject = json!([{"kind": "ServiceAccount", "name": name, "namespace": ns_of(rs)}]);
+    let mut objects = vec![json!({
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": owned_meta(rs, &name),
+        "automountServiceAccountToken": false,
+    })];
+    objects.extend(rbac::role_and_binding(
+        &owned_meta(rs, &name),
+        &[rbac::release_rule(&name_of(rs))],
+        &subject,
+    ));
+    objects
 }
 
 /// Builds every object of the installation.
@@ -260,6 +341,7 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
             .collect();
         d.owned.push(migration_mailbox(rs, &groups));
     }
+    d.owned.extend(release_account(rs));
     match &inputs.database {
         Database::External => {
             let ext = rs.spec.external.clone().unwrap_or_default();
@@ -290,7 +372,7 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
         "kind": "ServiceAccount",
         "metadata": owned_meta(rs, &name),
     }));
-    let (rbac_owned, rbac_unowned) = server_rbac(rs);
+    let (rbac_owned, rbac_unowned) = server_rbac(rs, inputs.namespace_uid.as_deref());
     d.owned.extend(rbac_owned);
     d.owned.push(json!({
         "apiVersion": "v1",
@@ -326,7 +408,7 @@ fn api_services(inputs: &Inputs<'_>, svc: &str, port: i32, ca_pem: &str) -> Vec<
         .filter(|name| !inputs.foreign_api_services.contains(name))
         .map(|name| {
             let (version, group) = name.split_once('.').expect("version.group");
-            let mut meta = unowned_meta(rs, &name, None);
+            let mut meta = unowned_meta(rs, inputs.namespace_uid.as_deref(), &name, None);
             // kube-aggregator's autoregister controller only manages APIServices labelled
             // automanaged "true"/"onstart"; "false" keeps it from reclaiming a taken-over one.
             meta["labels"]["kube-aggregator.kubernetes.io/automanaged"] = json!("false");
@@ -351,14 +433,14 @@ fn api_services(inputs: &Inputs<'_>, svc: &str, port: i32, ca_pem: &str) -> Vec<
 /// the two built-in roles of delegated authentication, and while a migration may run the
 /// migration's role and its mailbox's Role. The operator writes no role with rights of its own
 /// choosing: it may only bind these (`bind` with `resourceNames`).
-fn server_rbac(rs: &ReportsServer) -> (Vec<Value>, Vec<Value>) {
+fn server_rbac(rs: &ReportsServer, namespace_uid: Option<&str>) -> (Vec<Value>, Vec<Value>) {
     let cluster = cluster_name(rs);
     let subject = json!([{"kind": "ServiceAccount", "name": name_of(rs), "namespace": ns_of(rs)}]);
     let cluster_binding = |name: String, role: &str| {
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRoleBinding",
-            "metadata": unowned_meta(rs, &name, None),
+            "metadata": unowned_meta(rs, namespace_uid, &name, None),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
             "subjects": subject,
         })
@@ -372,7 +454,7 @@ fn server_rbac(rs: &ReportsServer) -> (Vec<Value>, Vec<Value>) {
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": unowned_meta(rs, &format!("{cluster}:auth-reader"), Some("kube-system")),
+            "metadata": unowned_meta(rs, namespace_uid, &format!("{cluster}:auth-reader"), Some("kube-system")),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rbac::AUTH_READER_ROLE},
             "subjects": subject,
         }),
@@ -729,6 +811,50 @@ mod tests {
     }
 
     #[test]
+    fn image_repository_strips_tag_and_digest_but_not_a_port() {
+        for (image, repo) in [
+            ("reports-server:0.1.0", "reports-server"),
+            ("reports-server", "reports-server"),
+            ("registry:5000/team/rs:v1", "registry:5000/team/rs"),
+            ("registry:5000/team/rs", "registry:5000/team/rs"),
+            ("ghcr.io/a/rs@sha256:abc", "ghcr.io/a/rs"),
+            ("ghcr.io/a/rs:v1@sha256:abc", "ghcr.io/a/rs"),
+        ] {
+            assert_eq!(image_repository(image), repo, "{image}");
+        }
+    }
+
+    #[test]
+    fn only_allowed_images_run() {
+        let allowed = vec![
+            "ghcr.io/acme/reports-server".to_string(),
+            "registry.corp/mirror/".into(),
+        ];
+        let with = |image: &str| ReportsServerSpec {
+            image: Some(image.into()),
+            ..Default::default()
+        };
+        assert!(check_image(&ReportsServerSpec::default(), &allowed).is_ok());
+        assert!(check_image(&with("ghcr.io/acme/reports-server:v2"), &allowed).is_ok());
+        assert!(check_image(&with("ghcr.io/acme/reports-server@sha256:ab"), &allowed).is_ok());
+        assert!(check_image(&with("registry.corp/mirror/anything:1"), &allowed).is_ok());
+        for bad in [
+            "ghcr.io/acme/reports-server-evil:v2",
+            "ghcr.io/evil/reports-server:v2",
+            "registry.corp/mirror-evil/x:1",
+        ] {
+            let err = check_image(&with(bad), &allowed).unwrap_err();
+            assert_eq!(err.reason, "ImageNotAllowed", "{bad}");
+            assert!(
+                err.message.contains("--allowed-server-images"),
+                "{}",
+                err.message
+            );
+        }
+        assert!(check_image(&with("anything:1"), &["*".to_string()]).is_ok());
+    }
+
+    #[test]
     fn postgres_needs_exactly_one_mode() {
         let spec = ReportsServerSpec {
             database: DatabaseSpec {
@@ -757,6 +883,7 @@ mod tests {
             external_ca_pem: Some("PEM".into()),
             default_image: "img",
             foreign_api_services: vec!["v1.reports.kyverno.io".into()],
+            namespace_uid: Some("ns-uid".into()),
         });
         let names: Vec<&str> = d
             .api_services

@@ -70,6 +70,9 @@ pub struct RunOptions {
     pub metrics_address: SocketAddr,
     /// Leader election; `None` runs unconditionally (one replica, tests).
     pub lease: Option<LeaseConfig>,
+    /// The client configuration `client` was made from: the release accounts' clients are made
+    /// from it (`controller::release`). `None` releases nothing on an uninstall.
+    pub client_config: Option<kube::Config>,
 }
 
 /// Why [`operate`] stopped.
@@ -95,11 +98,11 @@ pub async fn operate(
         http::serve(addr, metrics.clone()).instrument(tracing::info_span!("metrics_endpoint")),
     );
     metrics.set_ready();
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        options.config,
-        metrics.clone(),
-    ));
+    let mut ctx = Context::new(client.clone(), options.config, metrics.clone());
+    if let Some(config) = options.client_config {
+        ctx = ctx.with_client_config(config);
+    }
+    let ctx = Arc::new(ctx);
     let work = async {
         match &options.lease {
             Some(lease) => {
@@ -118,7 +121,7 @@ pub async fn operate(
             }
         }
     };
-    tokio::select! {
+    let stopped = tokio::select! {
         _ = work => Ok(()),
         r = listener => {
             let e = match r {
@@ -128,5 +131,11 @@ pub async fn operate(
             };
             Err(RunError::Metrics(addr, e))
         }
+    };
+    if shutdown.is_cancelled() {
+        controller::release::on_shutdown(&ctx)
+            .instrument(tracing::info_span!("release_on_shutdown"))
+            .await;
     }
+    stopped
 }

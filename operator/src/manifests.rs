@@ -86,7 +86,7 @@ fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> 
     let sa = json!([{"kind": "ServiceAccount", "name": NAME, "namespace": ns}]);
     let mut objects = server_roles();
     objects.extend([
-        cluster_role(NAME, labels(), &rbac::operator_cluster_rules()),
+        cluster_role(NAME, labels(), &rbac::operator_cluster_rules(ns)),
         json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
                "metadata": {"name": NAME, "labels": labels()},
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
@@ -129,6 +129,8 @@ fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> 
                                 {"name": "REPORTS_SERVER_OPERATOR_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                                 // Its namespaced rights are a Role in its own namespace.
                                 {"name": "REPORTS_SERVER_OPERATOR_WATCH_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                                // Deleted, it means an uninstall: the finalizers are released.
+                                {"name": "REPORTS_SERVER_OPERATOR_DEPLOYMENT_NAME", "value": NAME},
                                 {"name": "REPORTS_SERVER_OPERATOR_SERVER_IMAGE", "value": image},
                             ],
                             "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],

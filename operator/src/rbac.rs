@@ -270,6 +270,21 @@ pub fn migration_rules() -> Vec<Rule> {
     ]
 }
 
+/// The release account's rule (`<name>-release`, a Role of the ReportsServer's namespace): the
+/// operator removes its finalizer through it when the operator itself is being uninstalled and
+/// its own ServiceAccount or RBAC may already be gone.
+pub fn release_rule(reports_server: &str) -> Rule {
+    named(
+        rule(
+            &["reportsserver.io"],
+            &["reportsservers"],
+            &["get", "patch"],
+            "lets the operator remove its finalizer while it is uninstalled, when its own account may already be deleted",
+        ),
+        &[reports_server],
+    )
+}
+
 /// The mailbox ConfigMap's rule, in a Role of the ReportsServer's namespace.
 pub fn migration_mailbox_rule(mailbox: &str) -> Rule {
     named(
@@ -283,9 +298,18 @@ pub fn migration_mailbox_rule(mailbox: &str) -> Rule {
     )
 }
 
-/// The operator's ClusterRole: only what is cluster-scoped.
-pub fn operator_cluster_rules() -> Vec<Rule> {
+/// The operator's ClusterRole: only what is cluster-scoped. `namespace` is the one it manages.
+pub fn operator_cluster_rules(namespace: &str) -> Vec<Rule> {
     vec![
+        named(
+            rule(
+                &[""],
+                &["namespaces"],
+                &["get"],
+                "its namespace's UID owns each installation's cluster-scoped objects (the garbage collector removes them with the namespace), and a terminating namespace means it is being uninstalled",
+            ),
+            &[namespace],
+        ),
         rule(
             &["apiregistration.k8s.io"],
             &["apiservices"],
@@ -345,6 +369,12 @@ pub fn operator_namespace_rules() -> Vec<Rule> {
             &["reportsservers"],
             &["get", "list", "watch", "patch", "update"],
             "the ReportsServers it reconciles (patch: its finalizer)",
+        ),
+        rule(
+            &[""],
+            &["serviceaccounts/token"],
+            &["create"],
+            "mints short-lived tokens of each installation's release account, which outlives the operator's own ServiceAccount when the operator is uninstalled",
         ),
         rule(
             &["reportsserver.io"],
@@ -490,11 +520,18 @@ pub fn all_roles(operator_namespace: &str) -> Vec<Role> {
             vec![migration_mailbox_rule("<name>-migration")],
         ),
         role(
+            "operator (its release account, one per ReportsServer)",
+            "Role",
+            "<name>-release",
+            Some("<ReportsServer namespace>"),
+            vec![release_rule("<name>")],
+        ),
+        role(
             "operator",
             "ClusterRole",
             operator,
             None,
-            operator_cluster_rules(),
+            operator_cluster_rules(operator_namespace),
         ),
         role(
             "operator",

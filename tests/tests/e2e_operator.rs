@@ -153,6 +153,7 @@ async fn e2e_operator_external_mode() -> Result<()> {
         )?;
     }
     eprintln!("[e2e] install.yaml applied; kustomize, helm and examples pass server dry-run");
+    crd_refuses_mistakes(&admin)?;
     least_privilege(&admin).await?;
 
     // A bystander that must survive the ReportsServer's deletion.
@@ -289,6 +290,8 @@ async fn e2e_operator_external_mode() -> Result<()> {
         kstatus(&kstatus_bin, &rs)? == "Current",
         "kstatus of a Ready ReportsServer"
     );
+
+    image_not_allowed(&admin).await?;
 
     // Reports through kube-apiserver, served by our server.
     admin.run(&["create", "namespace", "test-ns"])?;
@@ -532,6 +535,149 @@ async fn argocd_health_lua_judges_reportsserver_statuses() -> Result<()> {
 }
 
 /// `kubectl auth can-i` as `user`: true for "yes".
+/// Specs that cannot work are refused by kube-apiserver at apply time (the CRD's CEL rules and
+/// enums), each with a message naming the field and what to do.
+fn crd_refuses_mistakes(admin: &Kubectl) -> Result<()> {
+    let cases = [
+        (
+            json!({"replicas": 3}),
+            "SQLite (the default database) is one file only one pod may open",
+        ),
+        (
+            json!({"replicas": 2, "database": {"sqlite": {}}}),
+            "set spec.replicas to 1, or use spec.database.postgres",
+        ),
+        (
+            json!({"database": {"sqlite": {}, "postgres": {"managed": {}}}}),
+            "set only one of spec.database.sqlite and spec.database.postgres",
+        ),
+        (
+            json!({"database": {"postgres": {}}}),
+            "set exactly one of spec.database.postgres.managed and spec.database.postgres.external",
+        ),
+        (
+            json!({"database": {"postgres": {"external": {}}}}),
+            "secretName must name the Secret",
+        ),
+        (
+            json!({"external": {"host": "h", "port": 443}, "database": {"sqlite": {}}}),
+            "spec.external runs the server outside the cluster",
+        ),
+        (
+            json!({"imagePullPolicy": "Sometimes"}),
+            "supported values: \"Always\", \"IfNotPresent\", \"Never\"",
+        ),
+        (
+            json!({"aggregation": {"layout": "flat"}}),
+            "spec.aggregation.layout",
+        ),
+        (
+            json!({"aggregation": {"delay": "soon"}}),
+            "spec.aggregation.delay",
+        ),
+        (
+            json!({"apiServices": {"groupPriorityMinimum": 0}}),
+            "spec.apiServices.groupPriorityMinimum",
+        ),
+    ];
+    for (spec, wanted) in cases {
+        let rs = json!({"apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+            "metadata": {"name": "mistake", "namespace": NS}, "spec": spec});
+        let out = admin.output(
+            &["apply", "--dry-run=server", "-f", "-"],
+            Some(&rs.to_string()),
+        )?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            !out.status.success() && stderr.contains(wanted),
+            "spec {spec} was {} (wanted a refusal saying {wanted:?}): {stderr}",
+            if out.status.success() {
+                "accepted"
+            } else {
+                "refused differently"
+            }
+        );
+    }
+    for spec in [
+        json!({}),
+        json!({"replicas": 1, "database": {"sqlite": {}}}),
+        json!({"replicas": 3, "database": {"postgres": {"managed": {}}}}),
+        json!({"replicas": 2, "database": {"postgres": {"external": {"secretName": "db"}}}}),
+        json!({"external": {"host": "h", "port": 443}, "replicas": 1}),
+        json!({"aggregation": {"delay": "500ms", "layout": "per-policy"}}),
+    ] {
+        let rs = json!({"apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+            "metadata": {"name": "fine", "namespace": NS}, "spec": spec});
+        dry_run(
+            admin,
+            &format!("a ReportsServer with spec {spec}"),
+            &rs.to_string(),
+        )?;
+    }
+    eprintln!(
+        "[e2e] the CRD refuses 10 broken specs with their rule's message, accepts 6 good ones"
+    );
+    Ok(())
+}
+
+/// A ReportsServer naming an image outside `--allowed-server-images` runs nothing: `Stalled`
+/// with reason `ImageNotAllowed`, and no workload is created.
+async fn image_not_allowed(admin: &Kubectl) -> Result<()> {
+    let rs = json!({"apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+        "metadata": {"name": "imposter", "namespace": NS},
+        "spec": {"image": "registry.example/someone/else:1"}});
+    admin.run_with_stdin(&["apply", "-f", "-"], Some(&rs.to_string()))?;
+    let deadline = Instant::now() + TIMEOUT;
+    let message = loop {
+        let live: Value = serde_json::from_str(
+            &admin.run(&["get", "rsrv", "-n", NS, "imposter", "-o", "json"])?,
+        )?;
+        if let Some(c) = condition(&live, "Stalled").filter(|c| c["reason"] == "ImageNotAllowed") {
+            break c["message"].as_str().unwrap_or_default().to_string();
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "imposter not Stalled/ImageNotAllowed after {TIMEOUT:?}: {}",
+            live["status"]
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    ensure!(
+        message.contains("--allowed-server-images"),
+        "the message does not say how to allow it: {message}"
+    );
+    let workloads = admin.run(&[
+        "get",
+        "deploy,sts,svc",
+        "-n",
+        NS,
+        "-l",
+        "app.kubernetes.io/instance=imposter",
+        "-o",
+        "name",
+    ])?;
+    ensure!(
+        workloads.trim().is_empty(),
+        "objects created for imposter: {workloads}"
+    );
+    let table = admin.run(&["get", "rsrv", "-n", NS, "imposter"])?;
+    ensure!(
+        table.contains("ImageNotAllowed"),
+        "the REASON column: {table}"
+    );
+    admin.run(&[
+        "delete",
+        "rsrv",
+        "-n",
+        NS,
+        "imposter",
+        "--wait=true",
+        "--timeout=60s",
+    ])?;
+    eprintln!("[e2e] spec.image outside --allowed-server-images: Stalled: {message}");
+    Ok(())
+}
+
 fn can_i(admin: &Kubectl, user: &str, args: &[&str]) -> Result<bool> {
     let mut all = vec!["auth", "can-i"];
     all.extend_from_slice(args);

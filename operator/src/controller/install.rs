@@ -3,6 +3,7 @@
 //! remove what the spec turned off, then decide the outcome ([`outcome_of`], pure and
 //! table-tested) and publish the status.
 
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
 use kube::ResourceExt;
@@ -81,6 +82,9 @@ pub(super) async fn converge(
     previous: &ReportsServerStatus,
     status: &mut ReportsServerStatus,
 ) -> Result<Outcome, Error> {
+    if let Err(invalid) = desired::check_image(&rs.spec, &ctx.config.allowed_images) {
+        return Ok(Outcome::degraded(invalid.reason, invalid.message));
+    }
     let database = match prepare_database(rs, ctx, status).await? {
         Ok(database) => database,
         Err(outcome) => return Ok(outcome),
@@ -97,6 +101,15 @@ pub(super) async fn converge(
         None
     };
     let mut groups = claim_api_services(rs, ctx, previous, &apiservices).await?;
+    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    let namespace_uid = match get_opt(&namespaces, &rs.namespace().unwrap_or_default()).await {
+        Ok(ns) => ns.and_then(|n| n.metadata.uid),
+        // An operator installed before it had this right: the finalizer alone cleans up.
+        Err(e) => {
+            tracing::debug!(error = %e, "the namespace's UID is unknown: cluster-scoped objects get no owner");
+            None
+        }
+    };
     let inputs = Inputs {
         rs,
         database: database.clone(),
@@ -109,9 +122,13 @@ pub(super) async fn converge(
             .chain(&groups.migrating)
             .cloned()
             .collect(),
+        namespace_uid,
     };
     let want = desired::desired(&inputs);
     let workload = apply_workload(rs, ctx, &want, &database).await?;
+    if let Err(e) = super::release::ensure_token(rs, ctx).await {
+        tracing::warn!(error = %e, "no token of the release account: an uninstall of the operator may leave this ReportsServer's finalizer behind");
+    }
     apply_api_services(ctx, &want, &mut groups.statuses).await?;
     remove_turned_off(
         rs,

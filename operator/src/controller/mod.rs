@@ -11,6 +11,8 @@
 //! Deletion runs through a finalizer: the APIServices go first (so no group is left routed to a
 //! Service that is about to disappear), then the cluster-scoped RBAC and the RoleBinding in
 //! kube-system; namespaced objects follow through their ownerReferences (garbage collector).
+//! When the operator is uninstalled with its installations, `release` removes the finalizer on
+//! its way out and the garbage collector removes the rest with the namespace.
 //! The migration/rollback work of the zero-loss migration issue hooks into the same cleanup.
 //!
 //! The parts: `install` (one reconcile of a live ReportsServer, observe → decide → apply →
@@ -23,6 +25,7 @@ mod database;
 mod foreign;
 mod install;
 mod kube_io;
+pub mod release;
 mod removal;
 
 use std::collections::HashMap;
@@ -85,8 +88,13 @@ impl Error {
 pub struct OperatorConfig {
     /// Image of the server when a ReportsServer names none.
     pub default_image: String,
+    /// What `spec.image` may name (`desired::check_image`); the default image is always allowed.
+    pub allowed_images: Vec<String>,
     /// Watch ReportsServers in this namespace only; `None` watches all.
     pub watch_namespace: Option<String>,
+    /// The operator's own Deployment in `watch_namespace`: deleted, it means an uninstall
+    /// (`release`). `None`: only a terminating namespace or a refused account mean one.
+    pub deployment_name: Option<String>,
     /// Requeue while converging.
     pub progress_requeue: Duration,
     /// Requeue while degraded (how soon a fixed Secret is noticed).
@@ -105,7 +113,9 @@ impl Default for OperatorConfig {
     fn default() -> Self {
         OperatorConfig {
             default_image: crate::DEFAULT_IMAGE.into(),
+            allowed_images: vec![crate::desired::image_repository(crate::DEFAULT_IMAGE).into()],
             watch_namespace: None,
+            deployment_name: None,
             progress_requeue: Duration::from_secs(3),
             degraded_requeue: Duration::from_secs(15),
             ready_requeue: Duration::from_secs(300),
@@ -125,6 +135,8 @@ pub struct Context {
     failures: Mutex<HashMap<ObjectRef<ReportsServer>, u32>>,
     /// What each installation's servers last said of their database (`database_check`).
     databases: Mutex<HashMap<ObjectRef<ReportsServer>, Observation>>,
+    /// Tokens of the installations' release accounts (`release`).
+    release: release::ReleaseTokens,
 }
 
 impl Context {
@@ -140,7 +152,15 @@ impl Context {
             metrics,
             failures: Mutex::new(HashMap::new()),
             databases: Mutex::new(HashMap::new()),
+            release: release::ReleaseTokens::new(None),
         }
+    }
+
+    /// The client configuration the operator runs with, from which the release accounts'
+    /// clients are made (without it, no finalizer is released on an uninstall).
+    pub fn with_client_config(mut self, config: kube::Config) -> Self {
+        self.release = release::ReleaseTokens::new(Some(config));
+        self
     }
 
     /// Keeps what an installation's servers said of their database.

@@ -40,12 +40,15 @@ pub(super) fn routes_to_us(api: &APIService, rs: &ReportsServer) -> bool {
 }
 
 /// A handed-back APIService is kube-apiserver's again: our owner annotation and labels go, so
-/// neither the finalizer nor a later ReportsServer of the same name mistakes it for its own.
+/// neither the finalizer nor a later ReportsServer of the same name mistakes it for its own, and
+/// so does the Namespace's ownerReference, so that the garbage collector does not delete it
+/// with our namespace.
 pub(super) async fn release_apiservice(
     apiservices: &Api<APIService>,
     name: &str,
 ) -> Result<(), kube::Error> {
     let patch = json!({"metadata": {
+        "ownerReferences": null,
         "annotations": {OWNER_ANNOTATION: null},
         "labels": {"app.kubernetes.io/instance": null, "app.kubernetes.io/managed-by": null},
     }});
@@ -241,6 +244,8 @@ pub(super) async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action,
     {
         delete_ignoring_missing(&rb, &name).await?;
     }
+    ctx.release
+        .forget(&kube::runtime::reflector::ObjectRef::from_obj(rs));
     Ok(Action::await_change())
 }
 

@@ -1,0 +1,202 @@
+//! Letting go of the ReportsServers when the operator itself is uninstalled.
+//!
+//! A ReportsServer carries the operator's finalizer, and only the operator removes it. When the
+//! operator is uninstalled together with its installations (`kubectl delete -f install.yaml`,
+//! its namespace deleted, `helm uninstall`, an Argo CD Application deleted with everything in
+//! it), its pod is stopped first (a namespace deletes its pods before anything else) and its own
+//! ServiceAccount and RBAC may be gone before it could act. A finalizer nobody removes keeps the
+//! namespace Terminating and the CRD's deletion hanging, forever.
+//!
+//! So each installation has a release account, `<name>-release`: a ServiceAccount no pod runs
+//! as, with a Role that may only get and patch that one ReportsServer. It belongs to the
+//! ReportsServer, so nothing an uninstall deletes first takes it away. The operator keeps a
+//! short-lived token of it. When the operator stops it asks whether it is being uninstalled
+//! (its Deployment deleted, its namespace terminating, or its own account refused) and if so
+//! removes its finalizer from every ReportsServer it reconciled, through those tokens, without a
+//! hand-back: the servers are stopping too, the reports stay in their database. What the
+//! ReportsServer cannot own belongs to its Namespace (`desired::unowned_meta`), so the garbage
+//! collector removes it with the namespace. A stop that is not an uninstall (a rollout, a
+//! scale-down, a drain) changes nothing.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::events::EventType;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Client, ResourceExt};
+use reports_server_crds::reportsserver::ReportsServer;
+use serde_json::json;
+
+use super::{Context, Error, kube_io::get_opt};
+use crate::{FINALIZER, desired};
+
+/// Lifetime asked for each token; renewed well before it ends (reconciles come at least every
+/// `--ready-requeue-seconds`).
+const TOKEN_SECONDS: i64 = 3600;
+const RENEW_AFTER: Duration = Duration::from_secs(1200);
+
+/// Tokens of the release accounts of the ReportsServers this replica reconciled.
+pub struct ReleaseTokens {
+    /// The operator's own client configuration, whose credentials are swapped for a token;
+    /// `None` (tests with a mocked API server) turns the release off.
+    base: Option<kube::Config>,
+    minted: Mutex<HashMap<ObjectRef<ReportsServer>, (String, Instant)>>,
+}
+
+impl ReleaseTokens {
+    pub fn new(base: Option<kube::Config>) -> Self {
+        ReleaseTokens {
+            base,
+            minted: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn is_fresh(&self, key: &ObjectRef<ReportsServer>) -> bool {
+        self.minted
+            .lock()
+            .expect("not poisoned")
+            .get(key)
+            .is_some_and(|(_, at)| at.elapsed() < RENEW_AFTER)
+    }
+
+    /// A deleted ReportsServer needs no release.
+    pub(super) fn forget(&self, key: &ObjectRef<ReportsServer>) {
+        self.minted.lock().expect("not poisoned").remove(key);
+    }
+
+    fn held(&self) -> Vec<(ObjectRef<ReportsServer>, String)> {
+        self.minted
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .map(|(k, (token, _))| (k.clone(), token.clone()))
+            .collect()
+    }
+
+    fn client(&self, token: &str) -> Result<Client, kube::Error> {
+        let mut config = self.base.clone().ok_or_else(|| {
+            kube::Error::Service("no client configuration for the release account".into())
+        })?;
+        config.auth_info = kube::config::AuthInfo {
+            token: Some(token.to_owned().into()),
+            ..Default::default()
+        };
+        Client::try_from(config)
+    }
+}
+
+/// Keeps a valid token of the installation's release account (after its objects are applied).
+#[tracing::instrument(name = "release_token", level = "debug", skip_all)]
+pub(super) async fn ensure_token(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
+    let key = ObjectRef::from_obj(rs);
+    if ctx.release.base.is_none() || ctx.release.is_fresh(&key) {
+        return Ok(());
+    }
+    let accounts: Api<ServiceAccount> =
+        Api::namespaced(ctx.client.clone(), &rs.namespace().unwrap_or_default());
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            expiration_seconds: Some(TOKEN_SECONDS),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let minted = accounts
+        .create_token_request(
+            &desired::release_account_name(rs),
+            &PostParams::default(),
+            &request,
+        )
+        .await?;
+    let token = minted.status.and_then(|s| s.token).unwrap_or_default();
+    ctx.release
+        .minted
+        .lock()
+        .expect("not poisoned")
+        .insert(key, (token, Instant::now()));
+    Ok(())
+}
+
+/// Why this stop is an uninstall, if it is one: the operator's Deployment is deleted or being
+/// deleted, its namespace is terminating, or kube-apiserver refuses its own account (its
+/// ServiceAccount or RBAC deleted). `None` for a rollout, a scale-down or a drain.
+async fn uninstalling(ctx: &Context) -> Option<String> {
+    let ns = ctx.config.watch_namespace.as_deref()?;
+    let refused = |e: &kube::Error| {
+        matches!(e, kube::Error::Api(s) if s.code == 401 || s.code == 403)
+            .then(|| format!("kube-apiserver refuses the operator's own account ({e}): its ServiceAccount or RBAC was deleted"))
+    };
+    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    match get_opt(&namespaces, ns).await {
+        Ok(Some(n)) if n.metadata.deletion_timestamp.is_some() => {
+            return Some(format!("namespace {ns} is being deleted"));
+        }
+        Ok(None) => return Some(format!("namespace {ns} is gone")),
+        Err(e) if refused(&e).is_some() => return refused(&e),
+        _ => {}
+    }
+    let name = ctx.config.deployment_name.as_deref()?;
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
+    match get_opt(&deployments, name).await {
+        Ok(None) => Some(format!("its Deployment {ns}/{name} was deleted")),
+        Ok(Some(d)) if d.metadata.deletion_timestamp.is_some() => {
+            Some(format!("its Deployment {ns}/{name} is being deleted"))
+        }
+        Err(e) => refused(&e),
+        Ok(Some(_)) => None,
+    }
+}
+
+/// On the way out: when this stop is an uninstall, removes the finalizer from every
+/// ReportsServer this replica reconciled (a standby holds no tokens and does nothing).
+pub async fn on_shutdown(ctx: &Context) {
+    let held = ctx.release.held();
+    if held.is_empty() {
+        return;
+    }
+    let Some(reason) = uninstalling(ctx).await else {
+        tracing::debug!("stopping without an uninstall: the finalizers stay");
+        return;
+    };
+    tracing::info!(%reason, count = held.len(), "the operator is being uninstalled: removing its finalizer from its ReportsServers");
+    for (key, token) in held {
+        if let Err(e) = let_go(ctx, &key, &token, &reason).await {
+            tracing::warn!(reports_server = %key, error = %e, "could not remove the finalizer; remove it by hand (docs/operator.md, Uninstall)");
+        }
+    }
+}
+
+async fn let_go(
+    ctx: &Context,
+    key: &ObjectRef<ReportsServer>,
+    token: &str,
+    reason: &str,
+) -> Result<(), kube::Error> {
+    let ns = key.namespace.clone().unwrap_or_default();
+    let api: Api<ReportsServer> = Api::namespaced(ctx.release.client(token)?, &ns);
+    let Some(rs) = get_opt(&api, &key.name).await? else {
+        return Ok(());
+    };
+    if !rs.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(());
+    }
+    let kept: Vec<&String> = rs.finalizers().iter().filter(|f| *f != FINALIZER).collect();
+    // resourceVersion: someone else's finalizer added meanwhile is not dropped.
+    let patch = json!({"metadata": {"finalizers": kept, "resourceVersion": rs.resource_version()}});
+    api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    tracing::info!(reports_server = %key, "finalizer removed: the reports stay in the database");
+    ctx.event(
+        &rs,
+        EventType::Warning,
+        "ReleasedOnUninstall",
+        format!("the operator is being uninstalled ({reason}): its finalizer was removed without a hand-back; the reports stay in the database (docs/operator.md, Uninstall)"),
+    )
+    .await;
+    Ok(())
+}
