@@ -17,7 +17,10 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Affinity, EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, LocalObjectReference, ResourceRequirements, Toleration,
+    TopologySpreadConstraint,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
 use schemars::JsonSchema;
@@ -105,6 +108,13 @@ pub struct ReportsServerSpec {
     /// Affinity of the server pods.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity: Option<Affinity>,
+    /// Topology spread constraints of the server pods (e.g. one replica per zone).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub topology_spread_constraints: Vec<TopologySpreadConstraint>,
+    /// Secrets (in the ReportsServer's namespace) with credentials for pulling the server's and
+    /// the managed PostgreSQL's images from a private registry.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
     /// PriorityClass of the server pods. Empty means `system-cluster-critical`: the report APIs
     /// sit on the path of namespace deletion and garbage collection.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -412,6 +422,8 @@ impl Default for ReportsServerSpec {
             node_selector: BTreeMap::new(),
             tolerations: Vec::new(),
             affinity: None,
+            topology_spread_constraints: Vec::new(),
+            image_pull_secrets: Vec::new(),
             priority_class_name: None,
             extra_args: Vec::new(),
             extra_env: Vec::new(),

@@ -180,10 +180,13 @@ pub struct Inputs<'a> {
     pub default_image: &'a str,
     /// APIServices that exist, are not ours, and must be left alone (no takeover asked).
     pub foreign_api_services: Vec<String>,
-    /// UID of the ReportsServer's Namespace: the owner of the objects the ReportsServer cannot
-    /// own, so the garbage collector removes them with the namespace even when the operator is
-    /// gone. `None` when the operator may not read it (then only the finalizer removes them).
-    pub namespace_uid: Option<String>,
+    /// UID of the operator's ClusterRole ([`crate::manifests::NAME`]), which install.yaml and
+    /// the chart ship: the owner of the objects the ReportsServer cannot own, so that the garbage
+    /// collector removes them when the operator is uninstalled, even when the operator could not
+    /// (its account already deleted). Not the Namespace: a namespace whose Service backs an
+    /// APIService cannot finish terminating while that APIService exists (its discovery fails).
+    /// `None` when there is no such ClusterRole (then only the operator removes them).
+    pub owner_uid: Option<String>,
 }
 
 /// The objects of one installation, in apply order.
@@ -192,9 +195,9 @@ pub struct Desired {
     /// Namespaced objects in the ReportsServer's namespace, owned by it.
     pub owned: Vec<Value>,
     /// Cluster-scoped RBAC and the RoleBinding in kube-system (deleted by the finalizer, or by
-    /// the garbage collector with the namespace).
+    /// the garbage collector with the operator's ClusterRole).
     pub unowned: Vec<Value>,
-    /// The APIServices (deleted first by the finalizer, or with the namespace).
+    /// The APIServices (deleted first by the finalizer, or with the operator's ClusterRole).
     pub api_services: Vec<Value>,
 }
 
@@ -277,12 +280,12 @@ fn owned_meta(rs: &ReportsServer, name: &str) -> Value {
 
 /// Metadata of an object the ReportsServer cannot own (a namespaced owner cannot own what is
 /// cluster-scoped or in another namespace): the annotation records the owner so the finalizer
-/// (and the watch on APIServices) can find it, and the Namespace owns it, so that an uninstall
-/// the operator does not live through (its namespace deleted with it) leaves nothing routed to
-/// nothing. No `blockOwnerDeletion`: that would need `update` on namespaces' finalizers.
+/// (and the watch on APIServices) can find it, and the operator's ClusterRole owns it, so that
+/// an uninstall the operator does not live through leaves nothing routed to nothing. No
+/// `blockOwnerDeletion`: nothing waits for it.
 fn unowned_meta(
     rs: &ReportsServer,
-    namespace_uid: Option<&str>,
+    owner_uid: Option<&str>,
     name: &str,
     namespace: Option<&str>,
 ) -> Value {
@@ -294,9 +297,9 @@ fn unowned_meta(
     if let Some(ns) = namespace {
         meta["namespace"] = json!(ns);
     }
-    if let Some(uid) = namespace_uid {
-        meta["ownerReferences"] =
-            json!([{"apiVersion": "v1", "kind": "Namespace", "name": ns_of(rs), "uid": uid}]);
+    if let Some(uid) = owner_uid {
+        meta["ownerReferences"] = json!([{"apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole", "name": crate::manifests::NAME, "uid": uid}]);
     }
     meta
 }
@@ -372,7 +375,7 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
         "kind": "ServiceAccount",
         "metadata": owned_meta(rs, &name),
     }));
-    let (rbac_owned, rbac_unowned) = server_rbac(rs, inputs.namespace_uid.as_deref());
+    let (rbac_owned, rbac_unowned) = server_rbac(rs, inputs.owner_uid.as_deref());
     d.owned.extend(rbac_owned);
     d.owned.push(json!({
         "apiVersion": "v1",
@@ -408,7 +411,7 @@ fn api_services(inputs: &Inputs<'_>, svc: &str, port: i32, ca_pem: &str) -> Vec<
         .filter(|name| !inputs.foreign_api_services.contains(name))
         .map(|name| {
             let (version, group) = name.split_once('.').expect("version.group");
-            let mut meta = unowned_meta(rs, inputs.namespace_uid.as_deref(), &name, None);
+            let mut meta = unowned_meta(rs, inputs.owner_uid.as_deref(), &name, None);
             // kube-aggregator's autoregister controller only manages APIServices labelled
             // automanaged "true"/"onstart"; "false" keeps it from reclaiming a taken-over one.
             meta["labels"]["kube-aggregator.kubernetes.io/automanaged"] = json!("false");
@@ -433,14 +436,14 @@ fn api_services(inputs: &Inputs<'_>, svc: &str, port: i32, ca_pem: &str) -> Vec<
 /// the two built-in roles of delegated authentication, and while a migration may run the
 /// migration's role and its mailbox's Role. The operator writes no role with rights of its own
 /// choosing: it may only bind these (`bind` with `resourceNames`).
-fn server_rbac(rs: &ReportsServer, namespace_uid: Option<&str>) -> (Vec<Value>, Vec<Value>) {
+fn server_rbac(rs: &ReportsServer, owner_uid: Option<&str>) -> (Vec<Value>, Vec<Value>) {
     let cluster = cluster_name(rs);
     let subject = json!([{"kind": "ServiceAccount", "name": name_of(rs), "namespace": ns_of(rs)}]);
     let cluster_binding = |name: String, role: &str| {
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRoleBinding",
-            "metadata": unowned_meta(rs, namespace_uid, &name, None),
+            "metadata": unowned_meta(rs, owner_uid, &name, None),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
             "subjects": subject,
         })
@@ -454,7 +457,7 @@ fn server_rbac(rs: &ReportsServer, namespace_uid: Option<&str>) -> (Vec<Value>, 
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": unowned_meta(rs, namespace_uid, &format!("{cluster}:auth-reader"), Some("kube-system")),
+            "metadata": unowned_meta(rs, owner_uid, &format!("{cluster}:auth-reader"), Some("kube-system")),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rbac::AUTH_READER_ROLE},
             "subjects": subject,
         }),
@@ -557,7 +560,11 @@ fn managed_postgres(
                 "selector": {"matchLabels": sel},
                 "template": {
                     "metadata": {"labels": sel},
-                    "spec": {"securityContext": {"fsGroup": 999}, "containers": [container]},
+                    "spec": {
+                        "securityContext": {"fsGroup": 999},
+                        "containers": [container],
+                        "imagePullSecrets": rs.spec.image_pull_secrets,
+                    },
                 },
                 "volumeClaimTemplates": [claim],
             },
@@ -740,6 +747,14 @@ fn workload(rs: &ReportsServer, db: &Database, tls: &Tls, default_image: &str) -
     if let Some(a) = &spec.affinity {
         pod["affinity"] = serde_json::to_value(a).expect("serialize");
     }
+    if !spec.topology_spread_constraints.is_empty() {
+        pod["topologySpreadConstraints"] =
+            serde_json::to_value(&spec.topology_spread_constraints).expect("serialize");
+    }
+    if !spec.image_pull_secrets.is_empty() {
+        pod["imagePullSecrets"] =
+            serde_json::to_value(&spec.image_pull_secrets).expect("serialize");
+    }
     let template = json!({"metadata": {"labels": selector_labels(rs)}, "spec": pod});
     match db {
         Database::Sqlite {
@@ -883,7 +898,7 @@ mod tests {
             external_ca_pem: Some("PEM".into()),
             default_image: "img",
             foreign_api_services: vec!["v1.reports.kyverno.io".into()],
-            namespace_uid: Some("ns-uid".into()),
+            owner_uid: Some("clusterrole-uid".into()),
         });
         let names: Vec<&str> = d
             .api_services

@@ -119,7 +119,9 @@ fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> 
                     "metadata": {"labels": labels()},
                     "spec": {
                         "serviceAccountName": NAME,
-                        "securityContext": {"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
+                        // No fixed UID: the image's numeric USER applies, and platforms that
+                        // assign one (OpenShift's restricted SCC) may.
+                        "securityContext": {"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}},
                         "containers": [{
                             "name": "operator",
                             "image": image,
@@ -212,6 +214,136 @@ pub fn kustomization_yaml() -> String {
         .to_string()
 }
 
+/// The chart's `values.yaml`: every value with its default and what it does.
+fn helm_values() -> String {
+    let indent = |v: &Value| {
+        serde_yaml::to_string(v)
+            .expect("serializes")
+            .lines()
+            .map(|l| format!("  {l}\n"))
+            .collect::<String>()
+    };
+    format!(
+        "# Image of the operator (the servers default to the same image; ReportsServers may name
+# another only if the operator allows it: extraArgs --allowed-server-images).
+image:
+  repository: reports-server
+  # Default: the chart's appVersion.
+  tag: \"\"
+  pullPolicy: IfNotPresent
+# Secrets with registry credentials for the operator's image (a ReportsServer names its own in
+# spec.imagePullSecrets).
+imagePullSecrets: []
+# Operator replicas (one leads through a Lease; the others stand by).
+replicas: 1
+resources:
+{}# Scheduling of the operator's pods.
+nodeSelector: {{}}
+tolerations: []
+affinity: {{}}
+topologySpreadConstraints: []
+# Empty: none. system-cluster-critical is admitted outside kube-system only where a
+# ResourceQuota allows it (not on GKE by default).
+priorityClassName: \"\"
+# Pod and container security contexts. No fixed UID: the image runs as 65532, and platforms that
+# assign UIDs (OpenShift's restricted SCC) may.
+podSecurityContext:
+{}securityContext:
+{}# Extra operator flags, e.g. [\"--ready-requeue-seconds=600\"] (see `reports-server operator --help`).
+extraArgs: []
+",
+        indent(&default_resources()),
+        indent(&json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}})),
+        indent(&json!({"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true, "capabilities": {"drop": ["ALL"]}})),
+    )
+}
+
+/// `values.schema.json`: Helm refuses values of the wrong shape before rendering anything.
+fn helm_values_schema() -> String {
+    let object = json!({"type": "object"});
+    let array = json!({"type": "array"});
+    let schema = json!({
+        "$schema": "https://json-schema.org/draft-07/schema#",
+        "type": "object",
+        "additionalProperties": false,
+        "properties": {
+            "image": {"type": "object", "additionalProperties": false, "properties": {
+                "repository": {"type": "string", "minLength": 1},
+                "tag": {"type": "string"},
+                "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+            }},
+            "imagePullSecrets": {"type": "array", "items": {"type": "object", "required": ["name"],
+                "properties": {"name": {"type": "string", "minLength": 1}}}},
+            "replicas": {"type": "integer", "minimum": 0},
+            "resources": object,
+            "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+            "tolerations": array,
+            "affinity": object,
+            "topologySpreadConstraints": array,
+            "priorityClassName": {"type": "string"},
+            "podSecurityContext": object,
+            "securityContext": object,
+            "extraArgs": {"type": "array", "items": {"type": "string"}},
+        },
+    });
+    format!(
+        "{}\n",
+        serde_json::to_string_pretty(&schema).expect("serializes")
+    )
+}
+
+/// The ReportsServer CRD as a template, so that `helm upgrade` updates it (Helm never touches
+/// `crds/` after the first install), kept on `helm uninstall`: deleting it would delete every
+/// ReportsServer.
+fn helm_crd() -> String {
+    use kube::CustomResourceExt;
+    let mut crd = serde_json::to_value(reports_server_crds::reportsserver::ReportsServer::crd())
+        .expect("the CRD serializes");
+    crd["metadata"]["annotations"] = json!({"helm.sh/resource-policy": "keep"});
+    yaml_stream(&[crd])
+}
+
+/// The operator Deployment's pod spec in the chart: scheduling, pull secrets and security
+/// contexts from values.
+fn helm_pod_values(templates: String) -> String {
+    let pod_security = "      securityContext:\n        runAsNonRoot: true\n        seccompProfile:\n          type: RuntimeDefault\n";
+    assert!(
+        templates.contains(pod_security),
+        "the operator's pod securityContext"
+    );
+    let mut with = String::new();
+    for (key, value) in [
+        ("imagePullSecrets", true),
+        ("nodeSelector", true),
+        ("tolerations", true),
+        ("affinity", true),
+        ("topologySpreadConstraints", true),
+        ("priorityClassName", false),
+    ] {
+        if value {
+            with.push_str(&format!(
+                "      {{{{- with .Values.{key} }}}}\n      {key}:\n        {{{{- toYaml . | nindent 8 }}}}\n      {{{{- end }}}}\n"
+            ));
+        } else {
+            with.push_str(&format!(
+                "      {{{{- with .Values.{key} }}}}\n      {key}: {{{{ . | quote }}}}\n      {{{{- end }}}}\n"
+            ));
+        }
+    }
+    with.push_str(
+        "      securityContext:\n        {{- toYaml .Values.podSecurityContext | nindent 8 }}\n",
+    );
+    let container_security = "        securityContext:\n          allowPrivilegeEscalation: false\n          readOnlyRootFilesystem: true\n          capabilities:\n            drop:\n            - ALL\n";
+    assert!(
+        templates.contains(container_security),
+        "the operator's container securityContext"
+    );
+    templates.replace(pod_security, &with).replace(
+        container_security,
+        "        securityContext:\n          {{- toYaml .Values.securityContext | nindent 10 }}\n",
+    )
+}
+
 /// The Helm chart's files, by path under `manifests/helm/reports-server/`.
 pub fn helm_chart() -> BTreeMap<&'static str, String> {
     let version = env!("CARGO_PKG_VERSION");
@@ -234,7 +366,7 @@ pub fn helm_chart() -> BTreeMap<&'static str, String> {
         )
         .replace(
             "resources: __RS_RESOURCES__",
-            "resources:\n              {{- toYaml .Values.resources | nindent 14 }}",
+            "resources:\n          {{- toYaml .Values.resources | nindent 10 }}",
         );
     // Operator flags from values: appended to args.
     templates = templates.replace(
@@ -245,31 +377,88 @@ pub fn helm_chart() -> BTreeMap<&'static str, String> {
         "        image: {{ .Values.image.repository }}",
         "        imagePullPolicy: {{ .Values.image.pullPolicy }}\n        image: {{ .Values.image.repository }}",
     );
+    templates = helm_pod_values(templates);
     BTreeMap::from([
         (
             "Chart.yaml",
             format!(
-                "apiVersion: v2\nname: reports-server\ndescription: The reports-server operator (ReportsServer CRD, RBAC, Deployment). Apply a ReportsServer to install a server.\ntype: application\nversion: {version}\nappVersion: \"{version}\"\n"
+                "apiVersion: v2\nname: reports-server\ndescription: The reports-server operator (ReportsServer CRD, RBAC, Deployment). Apply a ReportsServer to install a server.\ntype: application\nversion: {version}\nappVersion: \"{version}\"\nkubeVersion: \">=1.30.0-0\"\n"
             ),
         ),
-        (
-            "values.yaml",
-            format!(
-                "# Image of the operator (the servers default to the same image).\nimage:\n  repository: reports-server\n  tag: \"\"\n  pullPolicy: IfNotPresent\n# Operator replicas (one leads through a Lease; the others stand by).\nreplicas: 1\nresources:\n{}# Extra operator flags, e.g. [\"--ready-requeue-seconds=600\"] (see `reports-server operator --help`).\nextraArgs: []\n",
-                serde_yaml::to_string(&default_resources())
-                    .expect("serializes")
-                    .lines()
-                    .map(|l| format!("  {l}\n"))
-                    .collect::<String>()
-            ),
-        ),
-        (
-            "crds/reportsserver.yaml",
-            reports_server_crds::reportsserver::crd_yaml(),
-        ),
+        ("values.yaml", helm_values()),
+        ("values.schema.json", helm_values_schema()),
+        ("templates/crd.yaml", helm_crd()),
         ("templates/operator.yaml", templates),
+        ("templates/NOTES.txt", HELM_NOTES.to_string()),
+        ("README.md", HELM_README.to_string()),
     ])
 }
+
+/// What `helm install` prints.
+const HELM_NOTES: &str = r#"The reports-server operator is installed in namespace {{ .Release.Namespace }}.
+
+Install a server (the operator reconciles ReportsServers in this namespace only; spec: {} is one
+replica on SQLite, manifests/examples/ has PostgreSQL setups):
+
+  kubectl apply -n {{ .Release.Namespace }} -f - <<EOF
+  apiVersion: reportsserver.io/v1alpha1
+  kind: ReportsServer
+  metadata:
+    name: reports-server
+  spec: {}
+  EOF
+  kubectl get rsrv -n {{ .Release.Namespace }} -w     # READY True when every report group is served
+
+Uninstall: delete the ReportsServers first (they hand the reports back to CRD storage), then
+helm uninstall {{ .Release.Name }} -n {{ .Release.Namespace }}. The ReportsServer CRD is kept
+(helm.sh/resource-policy: keep); delete it by hand once no ReportsServer is left.
+"#;
+
+/// The chart's README.
+const HELM_README: &str = r#"# reports-server Helm chart
+
+Installs the reports-server operator: the `ReportsServer` CRD, the server's and the operator's
+roles (least privilege, see docs/operator.md "Permissions") and the operator's Deployment. A
+server is then one `ReportsServer` object in the release namespace (manifests/examples/).
+
+```sh
+helm install reports-server manifests/helm/reports-server -n reports-server --create-namespace
+kubectl apply -n reports-server -f manifests/examples/sqlite.yaml
+```
+
+This chart is generated (`operator/src/manifests.rs`) from the same code as
+`manifests/install.yaml`; do not edit it by hand.
+
+## Values
+
+| value | default | meaning |
+|---|---|---|
+| `image.repository`, `image.tag`, `image.pullPolicy` | `reports-server`, the appVersion, `IfNotPresent` | the operator's image, and the servers' default |
+| `imagePullSecrets` | `[]` | registry credentials of the operator's pod (servers: `spec.imagePullSecrets`) |
+| `replicas` | `1` | operator replicas; one leads through a Lease |
+| `resources` | 50m CPU / 64Mi requested, 256Mi limit | of the operator container |
+| `nodeSelector`, `tolerations`, `affinity`, `topologySpreadConstraints` | none | of the operator's pods (servers: the same fields of the ReportsServer spec) |
+| `priorityClassName` | none | `system-cluster-critical` is admitted outside kube-system only with a ResourceQuota allowing it |
+| `podSecurityContext`, `securityContext` | non-root, RuntimeDefault seccomp, read-only root, no capabilities, no fixed UID | of the operator pod and container |
+| `extraArgs` | `[]` | operator flags, e.g. `--allowed-server-images=ghcr.io/acme/reports-server` |
+
+`values.schema.json` refuses values of the wrong shape.
+
+## Upgrading from chart versions with the CRD in `crds/`
+
+The CRD is now a template, so `helm upgrade` updates it. Helm refuses to adopt the CRD an older
+chart installed from `crds/` ("invalid ownership metadata"); the first upgrade takes it over:
+
+```sh
+helm upgrade reports-server manifests/helm/reports-server -n reports-server --take-ownership
+```
+
+## Uninstall
+
+Delete the ReportsServers first, while the operator runs (they hand the reports back to CRD
+storage, see docs/operator.md "Uninstall"), then `helm uninstall`. The CRD stays
+(`helm.sh/resource-policy: keep`): deleting it would delete every ReportsServer.
+"#;
 
 /// Argo CD health check for `reportsserver.io/ReportsServer` (Lua), shared by the
 /// `argocd-cm` snippet and the Lua test runner.

@@ -306,7 +306,7 @@ pub fn operator_cluster_rules(namespace: &str) -> Vec<Rule> {
                 &[""],
                 &["namespaces"],
                 &["get"],
-                "its namespace's UID owns each installation's cluster-scoped objects (the garbage collector removes them with the namespace), and a terminating namespace means it is being uninstalled",
+                "a terminating namespace means it is being uninstalled",
             ),
             &[namespace],
         ),
@@ -356,7 +356,7 @@ pub fn operator_cluster_rules(namespace: &str) -> Vec<Rule> {
             &["rbac.authorization.k8s.io"],
             &["clusterroles"],
             &["get", "delete"],
-            "removes the per-installation ClusterRole that earlier releases wrote (its rules ship with the operator now)",
+            "reads the UID of its own ClusterRole, which owns each installation's cluster-scoped objects (the garbage collector removes them when the operator is uninstalled), and removes the per-installation ClusterRole that earlier releases wrote",
         ),
     ]
 }

@@ -48,7 +48,7 @@ fn render(rs: &ReportsServer) -> String {
         database,
         default_image: "reports-server:0.1.0",
         foreign_api_services: Vec::new(),
-        namespace_uid: Some("00000000-0000-0000-0000-00000000a5e5".into()),
+        owner_uid: Some("00000000-0000-0000-0000-0000000000c7".into()),
     };
     desired::desired(&inputs).to_yaml()
 }

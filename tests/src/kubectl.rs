@@ -40,6 +40,11 @@ impl Kubectl {
     }
 
     /// Runs kubectl; returns its output whatever the exit status.
+    /// The kubeconfig it uses (for other tools: helm).
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
     pub fn output(&self, args: &[&str], stdin: Option<&str>) -> anyhow::Result<Output> {
         let mut c = self.command(args)?;
         c.stdin(if stdin.is_some() {

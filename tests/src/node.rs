@@ -629,6 +629,10 @@ impl Node {
                 "node-lifecycle-controller",
                 // Binds the StatefulSet's claims to pre-created PersistentVolumes.
                 "persistentvolume-binder-controller",
+                // Remove the claims' and volumes' protection finalizers once no pod uses them:
+                // without them no namespace with a claim finishes terminating.
+                "persistentvolumeclaim-protection-controller",
+                "persistentvolume-protection-controller",
                 "pod-garbage-collector-controller",
             ]
             .map(String::from),

@@ -30,12 +30,9 @@ pub fn yaml_docs(text: &str) -> Result<Vec<Value>> {
         .collect())
 }
 
-/// Installs the operator on the node as a user does (`kubectl apply --server-side -f
-/// manifests/install.yaml`), with the locally built image tagged as the reference install.yaml
-/// names; returns that reference. Does not wait for the Deployment.
-pub fn install_on_node(node: &Node, kubectl: &Kubectl) -> Result<String> {
-    let install = manifest("install.yaml")?;
-    let image = yaml_docs(&install)?
+/// The image reference install.yaml (and the chart, by default) runs.
+pub fn install_image() -> Result<String> {
+    yaml_docs(&manifest("install.yaml")?)?
         .into_iter()
         .find(|d| d["kind"] == "Deployment")
         .and_then(|d| {
@@ -43,7 +40,15 @@ pub fn install_on_node(node: &Node, kubectl: &Kubectl) -> Result<String> {
                 .as_str()
                 .map(String::from)
         })
-        .ok_or_else(|| anyhow!("install.yaml has no operator Deployment with an image"))?;
+        .ok_or_else(|| anyhow!("install.yaml has no operator Deployment with an image"))
+}
+
+/// Installs the operator on the node as a user does (`kubectl apply --server-side -f
+/// manifests/install.yaml`), with the locally built image tagged as the reference install.yaml
+/// names; returns that reference. Does not wait for the Deployment.
+pub fn install_on_node(node: &Node, kubectl: &Kubectl) -> Result<String> {
+    let install = manifest("install.yaml")?;
+    let image = install_image()?;
     node.tag_image(REPORTS_SERVER_IMAGE, &image)?;
     kubectl.run_with_stdin(&["apply", "--server-side", "-f", "-"], Some(&install))?;
     Ok(image)

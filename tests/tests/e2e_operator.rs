@@ -678,6 +678,129 @@ async fn image_not_allowed(admin: &Kubectl) -> Result<()> {
     Ok(())
 }
 
+/// `helm upgrade` from the chart that shipped the CRD in `crds/` (which Helm never updates) to
+/// today's, with the CRD in `templates/`: the documented `--take-ownership` adopts the CRD and
+/// updates it, so a field the old CRD lacked is accepted afterwards; every value of the new chart
+/// set at once renders objects kube-apiserver accepts; and `helm uninstall` keeps the CRD.
+#[tokio::test]
+async fn helm_upgrade_updates_the_crd() -> Result<()> {
+    let helm = tool("helm").await?;
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let admin = Kubectl::new(cp.kubeconfig_path());
+    let old_chart = workspace_root().join("tests/fixtures/helm-chart-0.1.0-crds-dir");
+    let new_chart = workspace_root().join("manifests/helm/reports-server");
+    let ns = "helm-upgrade";
+    let run_helm = |args: &[&str]| -> Result<String> {
+        let out = Command::new(&helm)
+            .args(args)
+            .env("KUBECONFIG", cp.kubeconfig_path())
+            .output()
+            .context("running helm")?;
+        ensure!(
+            out.status.success(),
+            "helm {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let old = old_chart.display().to_string();
+    let new = new_chart.display().to_string();
+    run_helm(&[
+        "install",
+        "reports-server",
+        &old,
+        "-n",
+        ns,
+        "--create-namespace",
+    ])?;
+    let rs = json!({"apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+        "metadata": {"name": "pulls", "namespace": ns},
+        "spec": {"imagePullSecrets": [{"name": "registry"}]}});
+    let before = admin.output(
+        &["apply", "--dry-run=server", "--validate=strict", "-f", "-"],
+        Some(&rs.to_string()),
+    )?;
+    ensure!(
+        !before.status.success()
+            && String::from_utf8_lossy(&before.stderr).contains("imagePullSecrets"),
+        "the old CRD should not know spec.imagePullSecrets: {}",
+        String::from_utf8_lossy(&before.stderr)
+    );
+    run_helm(&[
+        "upgrade",
+        "reports-server",
+        &new,
+        "-n",
+        ns,
+        "--take-ownership",
+    ])?;
+    dry_run(
+        &admin,
+        "a ReportsServer with spec.imagePullSecrets after the upgrade",
+        &rs.to_string(),
+    )?;
+    let crd: Value = serde_json::from_str(&admin.run(&[
+        "get",
+        "crd",
+        "reportsservers.reportsserver.io",
+        "-o",
+        "json",
+    ])?)?;
+    ensure!(
+        crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+            && crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == "reports-server",
+        "the CRD was not adopted by the release: {}",
+        crd["metadata"]
+    );
+    // Every value at once.
+    let values = r#"
+imagePullSecrets: [{name: registry}]
+nodeSelector: {kubernetes.io/os: linux}
+tolerations: [{key: dedicated, operator: Equal, value: platform, effect: NoSchedule}]
+affinity: {nodeAffinity: {preferredDuringSchedulingIgnoredDuringExecution: [{weight: 1, preference: {matchExpressions: [{key: kubernetes.io/arch, operator: In, values: [amd64]}]}}]}}
+topologySpreadConstraints: [{maxSkew: 1, topologyKey: kubernetes.io/hostname, whenUnsatisfiable: ScheduleAnyway, labelSelector: {matchLabels: {app.kubernetes.io/name: reports-server-operator}}}]
+priorityClassName: system-node-critical
+replicas: 2
+extraArgs: ["--allowed-server-images=ghcr.io/acme/reports-server"]
+"#;
+    let values_file = cp.dir().join("all-values.yaml");
+    std::fs::write(&values_file, values)?;
+    let rendered = run_helm(&[
+        "template",
+        "reports-server",
+        &new,
+        "-n",
+        ns,
+        "-f",
+        &values_file.display().to_string(),
+    ])?;
+    for wanted in [
+        "imagePullSecrets:",
+        "kubernetes.io/os: linux",
+        "dedicated",
+        "nodeAffinity",
+        "topologySpreadConstraints",
+        "priorityClassName: \"system-node-critical\"",
+        "--allowed-server-images=ghcr.io/acme/reports-server",
+    ] {
+        ensure!(
+            rendered.contains(wanted),
+            "helm template with every value lacks {wanted:?}"
+        );
+    }
+    dry_run(&admin, "helm template with every value set", &rendered)?;
+    run_helm(&["uninstall", "reports-server", "-n", ns, "--wait"])?;
+    admin
+        .run(&["get", "crd", "reportsservers.reportsserver.io"])
+        .context("helm uninstall deleted the CRD (helm.sh/resource-policy: keep)")?;
+    eprintln!(
+        "[e2e] helm upgrade --take-ownership from the crds/ chart updated the CRD; every value \
+         renders and passes a server-side dry-run; helm uninstall kept the CRD"
+    );
+    Ok(())
+}
+
 fn can_i(admin: &Kubectl, user: &str, args: &[&str]) -> Result<bool> {
     let mut all = vec!["auth", "can-i"];
     all.extend_from_slice(args);

@@ -513,13 +513,19 @@ fn golden_differences(
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let uid = rs["metadata"]["uid"].as_str().unwrap_or_default();
-    let namespace_uid = kubectl.run(&["get", "namespace", NS, "-o", "jsonpath={.metadata.uid}"])?;
+    let role_uid = kubectl.run(&[
+        "get",
+        "clusterrole",
+        "reports-server-operator",
+        "-o",
+        "jsonpath={.metadata.uid}",
+    ])?;
     let mut differences = Vec::new();
     for mut want in yaml_docs(&text)? {
         if let Some(refs) = want["metadata"]["ownerReferences"].as_array_mut() {
             for r in refs {
-                r["uid"] = if r["kind"] == "Namespace" {
-                    json!(namespace_uid.trim())
+                r["uid"] = if r["kind"] == "ClusterRole" {
+                    json!(role_uid.trim())
                 } else {
                     json!(uid)
                 };

@@ -3,7 +3,7 @@
 //! remove what the spec turned off, then decide the outcome ([`outcome_of`], pure and
 //! table-tested) and publish the status.
 
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::rbac::v1::ClusterRole;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
 use kube::ResourceExt;
@@ -101,12 +101,11 @@ pub(super) async fn converge(
         None
     };
     let mut groups = claim_api_services(rs, ctx, previous, &apiservices).await?;
-    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
-    let namespace_uid = match get_opt(&namespaces, &rs.namespace().unwrap_or_default()).await {
-        Ok(ns) => ns.and_then(|n| n.metadata.uid),
-        // An operator installed before it had this right: the finalizer alone cleans up.
+    let roles: Api<ClusterRole> = Api::all(ctx.client.clone());
+    let owner_uid = match get_opt(&roles, crate::manifests::NAME).await {
+        Ok(role) => role.and_then(|r| r.metadata.uid),
         Err(e) => {
-            tracing::debug!(error = %e, "the namespace's UID is unknown: cluster-scoped objects get no owner");
+            tracing::debug!(error = %e, "the operator's ClusterRole is unknown: cluster-scoped objects get no owner");
             None
         }
     };
@@ -122,7 +121,7 @@ pub(super) async fn converge(
             .chain(&groups.migrating)
             .cloned()
             .collect(),
-        namespace_uid,
+        owner_uid,
     };
     let want = desired::desired(&inputs);
     let workload = apply_workload(rs, ctx, &want, &database).await?;

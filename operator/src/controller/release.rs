@@ -12,10 +12,11 @@
 //! ReportsServer, so nothing an uninstall deletes first takes it away. The operator keeps a
 //! short-lived token of it. When the operator stops it asks whether it is being uninstalled
 //! (its Deployment deleted, its namespace terminating, or its own account refused) and if so
-//! removes its finalizer from every ReportsServer it reconciled, through those tokens, without a
-//! hand-back: the servers are stopping too, the reports stay in their database. What the
-//! ReportsServer cannot own belongs to its Namespace (`desired::unowned_meta`), so the garbage
-//! collector removes it with the namespace. A stop that is not an uninstall (a rollout, a
+//! removes the APIServices and bindings it can, and its finalizer from every ReportsServer it
+//! reconciled, through those tokens, without a hand-back: the servers are stopping too, the
+//! reports stay in their database. What the ReportsServer cannot own belongs to the operator's
+//! ClusterRole (`desired::unowned_meta`), so the garbage collector removes it when an uninstall
+//! deletes that role before the operator could. A stop that is not an uninstall (a rollout, a
 //! scale-down, a drain) changes nothing.
 
 use std::collections::HashMap;
@@ -185,6 +186,12 @@ async fn let_go(
     if !rs.finalizers().iter().any(|f| f == FINALIZER) {
         return Ok(());
     }
+    // What the finalizer would have removed, while the operator's own account may still do it;
+    // when it may not (its RBAC already deleted), the garbage collector removes those objects
+    // with the operator's ClusterRole, which owns them.
+    if let Err(e) = super::removal::remove_cluster_objects(&rs, ctx).await {
+        tracing::info!(reports_server = %key, error = %e, "the APIServices and bindings are left to the garbage collector");
+    }
     let kept: Vec<&String> = rs.finalizers().iter().filter(|f| *f != FINALIZER).collect();
     // resourceVersion: someone else's finalizer added meanwhile is not dropped.
     let patch = json!({"metadata": {"finalizers": kept, "resourceVersion": rs.resource_version()}});
@@ -195,7 +202,7 @@ async fn let_go(
         &rs,
         EventType::Warning,
         "ReleasedOnUninstall",
-        format!("the operator is being uninstalled ({reason}): its finalizer was removed without a hand-back; the reports stay in the database (docs/operator.md, Uninstall)"),
+        format!("the operator is being uninstalled ({reason}): the report groups are no longer routed to this server and its finalizer was removed, without a hand-back; the reports stay in the database (docs/operator.md, Uninstall)"),
     )
     .await;
     Ok(())

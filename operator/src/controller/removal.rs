@@ -205,6 +205,16 @@ pub(super) async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action,
     if hands_back(rs) {
         hand_back(rs, ctx).await?;
     }
+    remove_cluster_objects(rs, ctx).await?;
+    ctx.release
+        .forget(&kube::runtime::reflector::ObjectRef::from_obj(rs));
+    Ok(Action::await_change())
+}
+
+/// What ownerReferences of the ReportsServer cannot reach: its APIServices first (no group is
+/// left routed to a Service about to go), then its ClusterRoleBindings and the RoleBinding in
+/// kube-system.
+pub(super) async fn remove_cluster_objects(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
     let apiservices: Api<APIService> = Api::all(ctx.client.clone());
     let mut removed = Vec::new();
     for (group, version) in GROUP_VERSIONS {
@@ -244,9 +254,7 @@ pub(super) async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action,
     {
         delete_ignoring_missing(&rb, &name).await?;
     }
-    ctx.release
-        .forget(&kube::runtime::reflector::ObjectRef::from_obj(rs));
-    Ok(Action::await_change())
+    Ok(())
 }
 
 /// Deletes those of `bindings` (ClusterRoleBindings) that belong to this installation, then what
