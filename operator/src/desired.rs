@@ -324,7 +324,7 @@ fn release_account(rs: &ReportsServer) -> Vec<Value> {
     })];
     objects.extend(rbac::role_and_binding(
         &owned_meta(rs, &name),
-        &[rbac::release_rule(&name_of(rs))],
+        &rbac::release_rules(&name_of(rs)),
         &subject,
     ));
     objects

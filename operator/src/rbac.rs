@@ -273,16 +273,24 @@ pub fn migration_rules() -> Vec<Rule> {
 /// The release account's rule (`<name>-release`, a Role of the ReportsServer's namespace): the
 /// operator removes its finalizer through it when the operator itself is being uninstalled and
 /// its own ServiceAccount or RBAC may already be gone.
-pub fn release_rule(reports_server: &str) -> Rule {
-    named(
-        rule(
-            &["reportsserver.io"],
-            &["reportsservers"],
-            &["get", "patch"],
-            "lets the operator remove its finalizer while it is uninstalled, when its own account may already be deleted",
+pub fn release_rules(reports_server: &str) -> Vec<Rule> {
+    vec![
+        named(
+            rule(
+                &["reportsserver.io"],
+                &["reportsservers"],
+                &["get", "patch"],
+                "lets the operator remove its finalizer while it is uninstalled, when its own account may already be deleted",
+            ),
+            &[reports_server],
         ),
-        &[reports_server],
-    )
+        rule(
+            &["", "events.k8s.io"],
+            &["events"],
+            &["create", "patch"],
+            "the Event on the ReportsServer that says so (ReleasedOnUninstall)",
+        ),
+    ]
 }
 
 /// The mailbox ConfigMap's rule, in a Role of the ReportsServer's namespace.
@@ -524,7 +532,7 @@ pub fn all_roles(operator_namespace: &str) -> Vec<Role> {
             "Role",
             "<name>-release",
             Some("<ReportsServer namespace>"),
-            vec![release_rule("<name>")],
+            release_rules("<name>"),
         ),
         role(
             "operator",

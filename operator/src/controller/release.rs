@@ -27,9 +27,9 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::events::EventType;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
-use kube::{Client, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use reports_server_crds::reportsserver::ReportsServer;
 use serde_json::json;
 
@@ -128,9 +128,13 @@ pub(super) async fn ensure_token(rs: &ReportsServer, ctx: &Context) -> Result<()
 /// ServiceAccount or RBAC deleted). `None` for a rollout, a scale-down or a drain.
 async fn uninstalling(ctx: &Context) -> Option<String> {
     let ns = ctx.config.watch_namespace.as_deref()?;
-    let refused = |e: &kube::Error| {
-        matches!(e, kube::Error::Api(s) if s.code == 401 || s.code == 403)
-            .then(|| format!("kube-apiserver refuses the operator's own account ({e}): its ServiceAccount or RBAC was deleted"))
+    // Short: it ends up in an Event, whose note has at most 1024 characters.
+    let refused = |e: &kube::Error| match e {
+        kube::Error::Api(s) if s.code == 401 || s.code == 403 => Some(format!(
+            "kube-apiserver refuses the operator's own account ({}): its ServiceAccount or RBAC was deleted",
+            s.code
+        )),
+        _ => None,
     };
     let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
     match get_opt(&namespaces, ns).await {
@@ -179,7 +183,8 @@ async fn let_go(
     reason: &str,
 ) -> Result<(), kube::Error> {
     let ns = key.namespace.clone().unwrap_or_default();
-    let api: Api<ReportsServer> = Api::namespaced(ctx.release.client(token)?, &ns);
+    let client = ctx.release.client(token)?;
+    let api: Api<ReportsServer> = Api::namespaced(client.clone(), &ns);
     let Some(rs) = get_opt(&api, &key.name).await? else {
         return Ok(());
     };
@@ -198,12 +203,25 @@ async fn let_go(
     api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
     tracing::info!(reports_server = %key, "finalizer removed: the reports stay in the database");
-    ctx.event(
-        &rs,
-        EventType::Warning,
-        "ReleasedOnUninstall",
-        format!("the operator is being uninstalled ({reason}): the report groups are no longer routed to this server and its finalizer was removed, without a hand-back; the reports stay in the database (docs/operator.md, Uninstall)"),
-    )
-    .await;
+    // Through the release account too: the operator's own may no longer create Events.
+    let reporter = Reporter {
+        controller: crate::FIELD_MANAGER.into(),
+        instance: ctx.config.instance.clone(),
+    };
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "ReleasedOnUninstall".into(),
+        note: Some(format!(
+            "the operator is being uninstalled ({reason}): the report groups are no longer routed to this server and its finalizer was removed, without a hand-back; the reports stay in the database (docs/operator.md, Uninstall)"
+        )),
+        action: "Uninstall".into(),
+        secondary: None,
+    };
+    if let Err(e) = Recorder::new(client, reporter)
+        .publish(&event, &rs.object_ref(&()))
+        .await
+    {
+        tracing::warn!(error = %e, "could not publish the ReleasedOnUninstall Event");
+    }
     Ok(())
 }
