@@ -218,7 +218,9 @@ async fn remove(kubectl: &Kubectl, helm: &Path, path: Removal) -> Result<()> {
         }
         Removal::HelmUninstall => {
             let out = std::process::Command::new(helm)
-                .args(["uninstall", "reports-server", "--namespace", NS, "--wait"])
+                // Without --wait, as users run it: helm 4 waits for every deleted object's
+                // watch to report it gone, which outlasts its own timeout here.
+                .args(["uninstall", "reports-server", "--namespace", NS])
                 .env("KUBECONFIG", kubectl.kubeconfig())
                 .output()
                 .context("running helm uninstall")?;
@@ -241,12 +243,19 @@ async fn remove(kubectl: &Kubectl, helm: &Path, path: Removal) -> Result<()> {
                 &timeout,
             ])?;
             released(kubectl, path).await?;
-            // Its server needs no operator to serve.
-            let served = kubectl.run(&["get", "policyreports", "-n", "default", "-o", "name"])?;
-            ensure!(
-                served.lines().count() == REPORTS,
-                "{path:?}: without the operator the server should still serve the reports: {served}"
-            );
+            // On its way out the operator took the groups off its servers (docs/operator.md,
+            // Uninstall): nothing routes to a Service that the deletions below remove.
+            for name in API_SERVICES {
+                let out = kubectl.output(&["get", "apiservice", name, "-o", "json"], None)?;
+                if out.status.success() {
+                    let a: Value = serde_json::from_slice(&out.stdout)?;
+                    ensure!(
+                        a["spec"]["service"].is_null(),
+                        "{path:?}: APIService {name} still routes to {} after the operator left",
+                        a["spec"]["service"]
+                    );
+                }
+            }
             kubectl.run(&["delete", "rsrv", "-n", NS, "reports-server", &timeout])?;
             kubectl.run(&["delete", "namespace", NS, &timeout])?;
         }

@@ -123,6 +123,39 @@ pub(super) async fn ensure_token(rs: &ReportsServer, ctx: &Context) -> Result<()
     Ok(())
 }
 
+/// Removes [`FINALIZER`] with the object's resourceVersion, so that a finalizer someone else
+/// adds meanwhile is not dropped; a conflict (the object changed, e.g. its deletion began
+/// between the read and the write) is read again and retried. Returns the object it changed,
+/// `None` when it is gone or the finalizer already is.
+async fn remove_finalizer(
+    api: &Api<ReportsServer>,
+    mut rs: ReportsServer,
+) -> Result<Option<ReportsServer>, kube::Error> {
+    let name = rs.name_any();
+    for _ in 0..5 {
+        if !rs.finalizers().iter().any(|f| f == FINALIZER) {
+            return Ok(None);
+        }
+        let kept: Vec<&String> = rs.finalizers().iter().filter(|f| *f != FINALIZER).collect();
+        let patch =
+            json!({"metadata": {"finalizers": kept, "resourceVersion": rs.resource_version()}});
+        match api
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return Ok(Some(rs)),
+            Err(kube::Error::Api(s)) if s.code == 409 => match get_opt(api, &name).await? {
+                Some(fresh) => rs = fresh,
+                None => return Ok(None),
+            },
+            Err(e) => return Err(e),
+        }
+    }
+    Err(kube::Error::Service(
+        "the ReportsServer kept changing; its finalizer was not removed".into(),
+    ))
+}
+
 /// Why this stop is an uninstall, if it is one: the operator's Deployment is deleted or being
 /// deleted, its namespace is terminating, or kube-apiserver refuses its own account (its
 /// ServiceAccount or RBAC deleted). `None` for a rollout, a scale-down or a drain.
@@ -197,11 +230,9 @@ async fn let_go(
     if let Err(e) = super::removal::remove_cluster_objects(&rs, ctx).await {
         tracing::info!(reports_server = %key, error = %e, "the APIServices and bindings are left to the garbage collector");
     }
-    let kept: Vec<&String> = rs.finalizers().iter().filter(|f| *f != FINALIZER).collect();
-    // resourceVersion: someone else's finalizer added meanwhile is not dropped.
-    let patch = json!({"metadata": {"finalizers": kept, "resourceVersion": rs.resource_version()}});
-    api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
+    let Some(rs) = remove_finalizer(&api, rs).await? else {
+        return Ok(());
+    };
     tracing::info!(reports_server = %key, "finalizer removed: the reports stay in the database");
     // Through the release account too: the operator's own may no longer create Events.
     let reporter = Reporter {
