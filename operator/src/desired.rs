@@ -305,8 +305,9 @@ fn unowned_meta(
 }
 
 /// Name of the ServiceAccount, Role and RoleBinding through which the operator removes its
-/// finalizer when it is uninstalled (`controller::release`): they belong to the ReportsServer,
-/// so they outlive the operator's own ServiceAccount and RBAC.
+/// finalizer when it is uninstalled (`controller::release`). Nothing owns them: a foreground
+/// deletion of their owner (Argo CD deletes that way) would delete them before the finalizer
+/// could be removed. The finalizer deletes them, or the namespace's deletion does.
 pub fn release_account_name(rs: &ReportsServer) -> String {
     format!("{}-release", name_of(rs))
 }
@@ -316,14 +317,15 @@ pub fn release_account_name(rs: &ReportsServer) -> String {
 fn release_account(rs: &ReportsServer) -> Vec<Value> {
     let name = release_account_name(rs);
     let subject = json!([{"kind": "ServiceAccount", "name": name, "namespace": ns_of(rs)}]);
+    let meta = unowned_meta(rs, None, &name, Some(&ns_of(rs)));
     let mut objects = vec![json!({
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": owned_meta(rs, &name),
+        "metadata": meta,
         "automountServiceAccountToken": false,
     })];
     objects.extend(rbac::role_and_binding(
-        &owned_meta(rs, &name),
+        &meta,
         &rbac::release_rules(&name_of(rs)),
         &subject,
     ));
@@ -344,7 +346,7 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
             .collect();
         d.owned.push(migration_mailbox(rs, &groups));
     }
-    d.owned.extend(release_account(rs));
+    d.unowned.extend(release_account(rs));
     match &inputs.database {
         Database::External => {
             let ext = rs.spec.external.clone().unwrap_or_default();
@@ -909,6 +911,14 @@ mod tests {
             names,
             ["v1alpha2.wgpolicyk8s.io", "v1alpha1.openreports.io"]
         );
-        assert!(d.unowned.is_empty());
+        // No cluster RBAC for an external server: only the release account.
+        assert!(
+            d.unowned
+                .iter()
+                .all(|o| o["metadata"]["name"] == "rs-release"
+                    && o["metadata"]["namespace"] == "reports"),
+            "{:#?}",
+            d.unowned
+        );
     }
 }

@@ -553,17 +553,25 @@ async fn deletion_removes_apiservices_first_then_cluster_objects_and_nothing_els
         .filter(|(m, _)| m == "DELETE")
         .map(|(_, p)| p.split('?').next().unwrap().to_string())
         .collect();
-    assert_eq!(deletes.len(), 7, "{deletes:#?}");
+    assert_eq!(deletes.len(), 10, "{deletes:#?}");
     assert!(
         deletes[..3].iter().all(|p| p.contains("/apiservices/")),
         "APIServices first: {deletes:#?}"
     );
     assert!(
-        deletes[3..]
+        deletes[3..9]
             .iter()
             .all(|p| p.contains("rbac.authorization.k8s.io")),
         "{deletes:#?}"
     );
+    // Last, the release account, which nothing owns.
+    assert!(
+        deletes[7..]
+            .iter()
+            .all(|p| p.ends_with("/reports-server-release")),
+        "{deletes:#?}"
+    );
+    assert!(deletes[9].contains("/serviceaccounts/"), "{deletes:#?}");
     assert!(f.get(&apiservice_path("v1beta1.metrics.k8s.io")).is_some());
     // The finalizer is gone, so the API server can finish the deletion; namespaced objects
     // follow through their ownerReferences.

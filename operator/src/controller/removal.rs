@@ -206,6 +206,7 @@ pub(super) async fn cleanup(rs: &ReportsServer, ctx: &Context) -> Result<Action,
         hand_back(rs, ctx).await?;
     }
     remove_cluster_objects(rs, ctx).await?;
+    remove_release_account(rs, ctx).await?;
     ctx.release
         .forget(&kube::runtime::reflector::ObjectRef::from_obj(rs));
     Ok(Action::await_change())
@@ -280,6 +281,20 @@ pub(super) async fn remove_cluster_bindings(
     {
         delete_ignoring_missing(&cr, &legacy).await?;
     }
+    Ok(())
+}
+
+/// The release account (`desired::release_account_name`), which nothing owns.
+async fn remove_release_account(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
+    let ns = rs.namespace().unwrap_or_default();
+    let name = desired::release_account_name(rs);
+    let rb: Api<k8s_openapi::api::rbac::v1::RoleBinding> = Api::namespaced(ctx.client.clone(), &ns);
+    delete_ignoring_missing(&rb, &name).await?;
+    let role: Api<k8s_openapi::api::rbac::v1::Role> = Api::namespaced(ctx.client.clone(), &ns);
+    delete_ignoring_missing(&role, &name).await?;
+    let sa: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(ctx.client.clone(), &ns);
+    delete_ignoring_missing(&sa, &name).await?;
     Ok(())
 }
 
