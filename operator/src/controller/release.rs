@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
@@ -161,22 +161,18 @@ async fn remove_finalizer(
 /// ServiceAccount or RBAC deleted). `None` for a rollout, a scale-down or a drain.
 async fn uninstalling(ctx: &Context) -> Option<String> {
     let ns = ctx.config.watch_namespace.as_deref()?;
-    // Short: it ends up in an Event, whose note has at most 1024 characters.
-    let refused = |e: &kube::Error| match e {
-        kube::Error::Api(s) if s.code == 401 || s.code == 403 => Some(format!(
-            "kube-apiserver refuses the operator's own account ({}): its ServiceAccount or RBAC was deleted",
-            s.code
-        )),
-        _ => None,
-    };
     let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
     match get_opt(&namespaces, ns).await {
         Ok(Some(n)) if n.metadata.deletion_timestamp.is_some() => {
             return Some(format!("namespace {ns} is being deleted"));
         }
         Ok(None) => return Some(format!("namespace {ns} is gone")),
-        Err(e) if refused(&e).is_some() => return refused(&e),
-        _ => {}
+        Err(e) => {
+            if let Some(reason) = account_gone(ctx, ns, &e).await {
+                return Some(reason);
+            }
+        }
+        Ok(Some(_)) => {}
     }
     let name = ctx.config.deployment_name.as_deref()?;
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
@@ -185,9 +181,30 @@ async fn uninstalling(ctx: &Context) -> Option<String> {
         Ok(Some(d)) if d.metadata.deletion_timestamp.is_some() => {
             Some(format!("its Deployment {ns}/{name} is being deleted"))
         }
-        Err(e) => refused(&e),
+        Err(e) => account_gone(ctx, ns, &e).await,
         Ok(Some(_)) => None,
     }
+}
+
+/// Whether `e` means the operator's own account was deleted: 401 (its ServiceAccount is gone),
+/// or 403 on the ReportsServers of its namespace as well, which it reads all the time (a 403 on
+/// the check alone may be RBAC that predates it, and must not make every restart an uninstall).
+/// Short: the reason ends up in an Event, whose note has at most 1024 characters.
+async fn account_gone(ctx: &Context, ns: &str, e: &kube::Error) -> Option<String> {
+    let code = match e {
+        kube::Error::Api(s) if s.code == 401 || s.code == 403 => s.code,
+        _ => return None,
+    };
+    if code == 403 {
+        let own: Api<ReportsServer> = Api::namespaced(ctx.client.clone(), ns);
+        let probe = own.list_metadata(&ListParams::default().limit(1)).await;
+        if !matches!(probe, Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403) {
+            return None;
+        }
+    }
+    Some(format!(
+        "kube-apiserver refuses the operator's own account ({code}): its ServiceAccount or RBAC was deleted"
+    ))
 }
 
 /// On the way out: when this stop is an uninstall, removes the finalizer from every
