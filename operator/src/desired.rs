@@ -545,6 +545,12 @@ fn managed_postgres(
     if let Some(r) = &pg.resources {
         container["resources"] = serde_json::to_value(r).expect("resources serialize");
     }
+    let mut pod_spec = json!({"securityContext": {"fsGroup": 999}, "containers": [container]});
+    if !rs.spec.image_pull_secrets.is_empty() {
+        // Only when set: kube-apiserver drops an empty list, and the live object would differ.
+        pod_spec["imagePullSecrets"] =
+            serde_json::to_value(&rs.spec.image_pull_secrets).expect("serialize");
+    }
     vec![
         json!({
             "apiVersion": "v1",
@@ -562,11 +568,7 @@ fn managed_postgres(
                 "selector": {"matchLabels": sel},
                 "template": {
                     "metadata": {"labels": sel},
-                    "spec": {
-                        "securityContext": {"fsGroup": 999},
-                        "containers": [container],
-                        "imagePullSecrets": rs.spec.image_pull_secrets,
-                    },
+                    "spec": pod_spec,
                 },
                 "volumeClaimTemplates": [claim],
             },
