@@ -30,6 +30,23 @@ pub fn yaml_docs(text: &str) -> Result<Vec<Value>> {
         .collect())
 }
 
+/// Runs `helm` (the binary of `tests/tools/helm.sh`) against `kubeconfig`; its stdout, or an
+/// error with the command and its stderr.
+pub fn helm(bin: &std::path::Path, kubeconfig: &std::path::Path, args: &[&str]) -> Result<String> {
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .output()
+        .context("running helm")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "helm {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// The image reference install.yaml (and the chart, by default) runs.
 pub fn install_image() -> Result<String> {
     yaml_docs(&manifest("install.yaml")?)?

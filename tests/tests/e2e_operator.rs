@@ -33,7 +33,7 @@ use reports_server_tests::{
     },
     delegated::{self, API_SERVICES, Server},
     kubectl::Kubectl,
-    operator::{NS, condition, manifest, rs_json, yaml_docs},
+    operator::{self, NS, condition, manifest, rs_json, yaml_docs},
     server,
 };
 use serde_json::{Value, json};
@@ -690,20 +690,7 @@ async fn helm_upgrade_updates_the_crd() -> Result<()> {
     let old_chart = workspace_root().join("tests/fixtures/helm-chart-0.1.0-crds-dir");
     let new_chart = workspace_root().join("manifests/helm/reports-server");
     let ns = "helm-upgrade";
-    let run_helm = |args: &[&str]| -> Result<String> {
-        let out = Command::new(&helm)
-            .args(args)
-            .env("KUBECONFIG", cp.kubeconfig_path())
-            .output()
-            .context("running helm")?;
-        ensure!(
-            out.status.success(),
-            "helm {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    };
+    let run_helm = |args: &[&str]| operator::helm(&helm, cp.kubeconfig_path(), args);
     let old = old_chart.display().to_string();
     let new = new_chart.display().to_string();
     run_helm(&[

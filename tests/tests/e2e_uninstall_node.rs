@@ -133,18 +133,19 @@ async fn install(
     if path == Removal::HelmUninstall {
         let image = operator::install_image()?;
         node.tag_image(node::REPORTS_SERVER_IMAGE, &image)?;
-        let out = std::process::Command::new(helm)
-            .args(["install", "reports-server"])
-            .arg(workspace_root().join("manifests/helm/reports-server"))
-            .args(["--namespace", NS, "--create-namespace"])
-            .env("KUBECONFIG", node.cp().kubeconfig_path())
-            .output()
-            .context("running helm install")?;
-        ensure!(
-            out.status.success(),
-            "helm install: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let chart = workspace_root().join("manifests/helm/reports-server");
+        operator::helm(
+            helm,
+            node.cp().kubeconfig_path(),
+            &[
+                "install",
+                "reports-server",
+                &chart.display().to_string(),
+                "--namespace",
+                NS,
+                "--create-namespace",
+            ],
+        )?;
     } else {
         operator::install_on_node(node, kubectl)?;
     }
@@ -217,18 +218,13 @@ async fn remove(kubectl: &Kubectl, helm: &Path, path: Removal) -> Result<()> {
             kubectl.run(&["delete", "namespace", NS, &timeout])?;
         }
         Removal::HelmUninstall => {
-            let out = std::process::Command::new(helm)
-                // Without --wait, as users run it: helm 4 waits for every deleted object's
-                // watch to report it gone, which outlasts its own timeout here.
-                .args(["uninstall", "reports-server", "--namespace", NS])
-                .env("KUBECONFIG", kubectl.kubeconfig())
-                .output()
-                .context("running helm uninstall")?;
-            ensure!(
-                out.status.success(),
-                "helm uninstall: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            // Without --wait, as users run it: helm 4 waits for every deleted object's watch
+            // to report it gone, which outlasts its own timeout here.
+            operator::helm(
+                helm,
+                kubectl.kubeconfig(),
+                &["uninstall", "reports-server", "--namespace", NS],
+            )?;
             released(kubectl, path).await?;
             kubectl.run(&["delete", "namespace", NS, &timeout])?;
         }

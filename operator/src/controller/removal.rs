@@ -284,16 +284,28 @@ pub(super) async fn remove_cluster_bindings(
     Ok(())
 }
 
+/// Deletes the RoleBinding and the Role `name` of the ReportsServer's namespace (the pair
+/// `rbac::role_and_binding` writes). One request each, present or not: a DELETE that finds
+/// nothing costs what a GET would.
+async fn remove_role_and_binding(
+    rs: &ReportsServer,
+    ctx: &Context,
+    name: &str,
+) -> Result<(), Error> {
+    let ns = rs.namespace().unwrap_or_default();
+    let rb: Api<k8s_openapi::api::rbac::v1::RoleBinding> = Api::namespaced(ctx.client.clone(), &ns);
+    delete_ignoring_missing(&rb, name).await?;
+    let role: Api<k8s_openapi::api::rbac::v1::Role> = Api::namespaced(ctx.client.clone(), &ns);
+    delete_ignoring_missing(&role, name).await?;
+    Ok(())
+}
+
 /// The release account (`desired::release_account_name`), which nothing owns.
 async fn remove_release_account(rs: &ReportsServer, ctx: &Context) -> Result<(), Error> {
-    let ns = rs.namespace().unwrap_or_default();
     let name = desired::release_account_name(rs);
-    let rb: Api<k8s_openapi::api::rbac::v1::RoleBinding> = Api::namespaced(ctx.client.clone(), &ns);
-    delete_ignoring_missing(&rb, &name).await?;
-    let role: Api<k8s_openapi::api::rbac::v1::Role> = Api::namespaced(ctx.client.clone(), &ns);
-    delete_ignoring_missing(&role, &name).await?;
+    remove_role_and_binding(rs, ctx, &name).await?;
     let sa: Api<k8s_openapi::api::core::v1::ServiceAccount> =
-        Api::namespaced(ctx.client.clone(), &ns);
+        Api::namespaced(ctx.client.clone(), &rs.namespace().unwrap_or_default());
     delete_ignoring_missing(&sa, &name).await?;
     Ok(())
 }
@@ -305,12 +317,5 @@ pub(super) async fn remove_migration_rights(
     ctx: &Context,
 ) -> Result<(), Error> {
     remove_cluster_bindings(rs, ctx, &[desired::migration_binding_name(rs)]).await?;
-    let ns = rs.namespace().unwrap_or_default();
-    let name = desired::migration_mailbox_role_name(rs);
-    let rb: Api<k8s_openapi::api::rbac::v1::RoleBinding> = Api::namespaced(ctx.client.clone(), &ns);
-    // One request each, present or not: a DELETE that finds nothing costs what a GET would.
-    delete_ignoring_missing(&rb, &name).await?;
-    let role: Api<k8s_openapi::api::rbac::v1::Role> = Api::namespaced(ctx.client.clone(), &ns);
-    delete_ignoring_missing(&role, &name).await?;
-    Ok(())
+    remove_role_and_binding(rs, ctx, &desired::migration_mailbox_role_name(rs)).await
 }
