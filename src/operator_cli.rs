@@ -9,7 +9,7 @@ use tracing::Instrument;
 use anyhow::Context as _;
 use clap::Args;
 use reports_server_election::kube_lease as lease;
-use reports_server_operator::{LeaseConfig, OperatorConfig, RunOptions};
+use reports_server_operator::{LeaseConfig, OperatorConfig, RunOptions, desired::PodIds};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Args)]
@@ -31,6 +31,17 @@ pub struct OperatorArgs {
         value_delimiter = ','
     )]
     allowed_server_images: Vec<String>,
+    /// Who chooses the user and group ids of the server and PostgreSQL pods: `fixed` (the
+    /// images' users, 65532 and 999, also as fsGroup so new volumes are writable), `platform`
+    /// (none set: OpenShift's restricted SCC assigns them from the namespace's range and refuses
+    /// others), or `auto` (`platform` when the cluster serves `security.openshift.io`).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_OPERATOR_POD_IDS",
+        value_enum,
+        default_value_t = PodIdsArg::Auto
+    )]
+    pod_ids: PodIdsArg,
     /// Watch ReportsServers in this namespace only [default: all namespaces].
     #[arg(long, env = "REPORTS_SERVER_OPERATOR_WATCH_NAMESPACE")]
     watch_namespace: Option<String>,
@@ -119,6 +130,40 @@ pub struct OperatorArgs {
     max_backoff_seconds: u64,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PodIdsArg {
+    Auto,
+    Fixed,
+    Platform,
+}
+
+/// The API group whose presence means the platform assigns pod user ids (OpenShift's SCCs).
+const OPENSHIFT_SECURITY_GROUP: &str = "security.openshift.io";
+
+async fn resolve_pod_ids(client: &kube::Client, arg: PodIdsArg) -> anyhow::Result<PodIds> {
+    let ids = match arg {
+        PodIdsArg::Fixed => PodIds::Fixed,
+        PodIdsArg::Platform => PodIds::Platform,
+        PodIdsArg::Auto => {
+            let groups = client.list_api_groups().await.context(
+                "cannot list the cluster's API groups to choose --pod-ids (set --pod-ids fixed \
+                 or platform to skip the check)",
+            )?;
+            if groups
+                .groups
+                .iter()
+                .any(|g| g.name == OPENSHIFT_SECURITY_GROUP)
+            {
+                PodIds::Platform
+            } else {
+                PodIds::Fixed
+            }
+        }
+    };
+    tracing::info!(pod_ids = ?ids, "pod user and group ids");
+    Ok(ids)
+}
+
 pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     let client_config = crate::cluster_config(args.kubeconfig.as_deref()).await?;
     let client = kube::Client::try_from(client_config.clone())
@@ -127,8 +172,10 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         .pod_name
         .clone()
         .unwrap_or_else(lease::default_identity);
+    let pod_ids = resolve_pod_ids(&client, args.pod_ids).await?;
     let options = RunOptions {
         config: OperatorConfig {
+            pod_ids,
             allowed_images: if args.allowed_server_images.is_empty() {
                 vec![reports_server_operator::desired::image_repository(&args.server_image).into()]
             } else {

@@ -115,8 +115,9 @@ pub struct ReportsServerSpec {
     /// the managed PostgreSQL's images from a private registry.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub image_pull_secrets: Vec<LocalObjectReference>,
-    /// PriorityClass of the server pods. Empty means `system-cluster-critical`: the report APIs
-    /// sit on the path of namespace deletion and garbage collection.
+    /// PriorityClass of the server pods [default: none]. The report APIs sit on the path of
+    /// namespace deletion and garbage collection: `system-cluster-critical` fits where it is
+    /// admitted (on GKE, outside kube-system, only with a ResourceQuota scoped to it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub priority_class_name: Option<String>,
     /// Extra arguments appended to `reports-server serve`.

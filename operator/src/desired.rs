@@ -28,6 +28,49 @@ const DB_CA_DIR: &str = "/etc/reports-server/db-ca";
 /// Data directory (SQLite file) of the server.
 const DATA_DIR: &str = "/var/lib/reports-server";
 
+/// Who chooses the user and group ids of the pods the operator creates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PodIds {
+    /// The operator names them: the server image's user 65532 and PostgreSQL's 999, each also
+    /// the pod's `fsGroup` so that a freshly provisioned volume is writable. What a Kubernetes
+    /// without a security-context policy of its own needs.
+    #[default]
+    Fixed,
+    /// The platform assigns them (OpenShift's restricted SCC gives every pod a user and an
+    /// `fsGroup` from the namespace's range and refuses any other): no `runAsUser`,
+    /// `runAsGroup` or `fsGroup` is set.
+    Platform,
+}
+
+impl PodIds {
+    /// The pod-level security context for an image whose user is `uid`: restricted Pod Security
+    /// Standard in both forms (non-root, RuntimeDefault seccomp).
+    fn pod_security_context(self, uid: i64) -> Value {
+        let mut context =
+            json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}});
+        if self == PodIds::Fixed {
+            context["runAsUser"] = json!(uid);
+            context["runAsGroup"] = json!(uid);
+            context["fsGroup"] = json!(uid);
+        }
+        context
+    }
+}
+
+/// The container-level half of the restricted Pod Security Standard.
+fn container_security_context(read_only_root: bool) -> Value {
+    json!({
+        "allowPrivilegeEscalation": false,
+        "readOnlyRootFilesystem": read_only_root,
+        "capabilities": {"drop": ["ALL"]},
+    })
+}
+
+/// The user of the server image (`nonroot` of distroless images; tests/node/image.sh, Dockerfile).
+const SERVER_UID: i64 = 65532;
+/// The user of the official `postgres` image.
+const POSTGRES_UID: i64 = 999;
+
 /// The database after the operator looked at the spec.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Database {
@@ -187,6 +230,8 @@ pub struct Inputs<'a> {
     /// APIService cannot finish terminating while that APIService exists (its discovery fails).
     /// `None` when there is no such ClusterRole (then only the operator removes them).
     pub owner_uid: Option<String>,
+    /// Whether the pods name their user and group ids.
+    pub pod_ids: PodIds,
 }
 
 /// The objects of one installation, in apply order.
@@ -364,7 +409,7 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
             d.api_services = api_services(inputs, &svc, ext.port, &ca);
             return d;
         }
-        Database::ManagedPostgres(pg) => d.owned.extend(managed_postgres(rs, pg)),
+        Database::ManagedPostgres(pg) => d.owned.extend(managed_postgres(rs, pg, inputs.pod_ids)),
         _ => {}
     }
     let tls = inputs
@@ -389,8 +434,13 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
             "ports": [{"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"}],
         },
     }));
-    d.owned
-        .push(workload(rs, &inputs.database, &tls, inputs.default_image));
+    d.owned.push(workload(
+        rs,
+        &inputs.database,
+        &tls,
+        inputs.default_image,
+        inputs.pod_ids,
+    ));
     d.owned.push(json!({
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -516,6 +566,7 @@ pub fn ca_secret_name(rs: &ReportsServer) -> String {
 fn managed_postgres(
     rs: &ReportsServer,
     pg: &reports_server_crds::reportsserver::ManagedPostgresSpec,
+    pod_ids: PodIds,
 ) -> Vec<Value> {
     let name = postgres_name(rs);
     let sel =
@@ -541,11 +592,22 @@ fn managed_postgres(
         "ports": [{"name": "postgres", "containerPort": 5432}],
         "readinessProbe": {"exec": {"command": ["pg_isready", "-U", "reports", "-d", "reports"]}, "periodSeconds": 5},
         "volumeMounts": [{"name": "data", "mountPath": "/var/lib/postgresql/data"}],
+        // Restricted Pod Security Standard: the entrypoint of the official image runs as the
+        // pod's user when that is not root (its data directory, PGDATA, a subdirectory of the
+        // volume it creates; any uid through nss_wrapper), so nothing needs root.
+        "securityContext": container_security_context(false),
     });
     if let Some(r) = &pg.resources {
         container["resources"] = serde_json::to_value(r).expect("resources serialize");
     }
-    let mut pod_spec = json!({"securityContext": {"fsGroup": 999}, "containers": [container]});
+    // More than the selector (which a StatefulSet never changes): the chart's NetworkPolicy
+    // tells this PostgreSQL from the user's own.
+    let mut postgres_pod_labels = sel.clone();
+    postgres_pod_labels["app.kubernetes.io/part-of"] = json!("reports-server");
+    let mut pod_spec = json!({
+        "securityContext": pod_ids.pod_security_context(POSTGRES_UID),
+        "containers": [container],
+    });
     if !rs.spec.image_pull_secrets.is_empty() {
         // Only when set: kube-apiserver drops an empty list, and the live object would differ.
         pod_spec["imagePullSecrets"] =
@@ -567,7 +629,7 @@ fn managed_postgres(
                 "replicas": 1,
                 "selector": {"matchLabels": sel},
                 "template": {
-                    "metadata": {"labels": sel},
+                    "metadata": {"labels": postgres_pod_labels},
                     "spec": pod_spec,
                 },
                 "volumeClaimTemplates": [claim],
@@ -695,7 +757,13 @@ pub fn migration_mailbox(rs: &ReportsServer, groups: &[&str]) -> Value {
     })
 }
 
-fn workload(rs: &ReportsServer, db: &Database, tls: &Tls, default_image: &str) -> Value {
+fn workload(
+    rs: &ReportsServer,
+    db: &Database,
+    tls: &Tls,
+    default_image: &str,
+    pod_ids: PodIds,
+) -> Value {
     let spec = &rs.spec;
     let name = name_of(rs);
     let (mut env, mut mounts, mut volumes) = database_env(rs, db);
@@ -720,13 +788,7 @@ fn workload(rs: &ReportsServer, db: &Database, tls: &Tls, default_image: &str) -
         // (docs/operations.md); the operator's DatabaseAvailable condition tells the outage.
         "livenessProbe": probe("/livez", 6),
         "readinessProbe": probe("/readyz", 3),
-        "securityContext": {
-            "allowPrivilegeEscalation": false,
-            "readOnlyRootFilesystem": true,
-            "runAsNonRoot": true,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": container_security_context(true),
         "volumeMounts": mounts,
     });
     if !env.is_empty() {
@@ -737,11 +799,15 @@ fn workload(rs: &ReportsServer, db: &Database, tls: &Tls, default_image: &str) -
     }
     let mut pod = json!({
         "serviceAccountName": name,
-        "priorityClassName": spec.priority_class_name.clone().unwrap_or_else(|| "system-cluster-critical".into()),
-        "securityContext": {"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532},
+        "securityContext": pod_ids.pod_security_context(SERVER_UID),
         "containers": [container],
         "volumes": volumes,
     });
+    // None by default: GKE admits `system-cluster-critical` outside kube-system only with a
+    // ResourceQuota that allows it (docs/operator.md).
+    if let Some(class) = &spec.priority_class_name {
+        pod["priorityClassName"] = json!(class);
+    }
     if !spec.node_selector.is_empty() {
         pod["nodeSelector"] = json!(spec.node_selector);
     }
@@ -816,6 +882,116 @@ mod tests {
         let mut rs = ReportsServer::new("rs", spec);
         rs.metadata.namespace = Some("reports".into());
         rs
+    }
+
+    /// The pod templates of an installation with `database`, with `ids`.
+    fn pod_specs(spec: ReportsServerSpec, ids: PodIds) -> Vec<Value> {
+        let r = rs(spec);
+        let d = desired(&Inputs {
+            rs: &r,
+            database: database_of(&r.spec).unwrap(),
+            tls: Some(Tls {
+                secret_name: "rs-tls".into(),
+                ca_pem: "PEM".into(),
+            }),
+            external_ca_pem: None,
+            default_image: "img",
+            foreign_api_services: Vec::new(),
+            owner_uid: None,
+            pod_ids: ids,
+        });
+        d.owned
+            .iter()
+            .filter(|o| o["kind"] == "StatefulSet" || o["kind"] == "Deployment")
+            .map(|o| o["spec"]["template"]["spec"].clone())
+            .collect()
+    }
+
+    fn managed_postgres_spec() -> ReportsServerSpec {
+        ReportsServerSpec {
+            database: DatabaseSpec {
+                postgres: Some(PostgresSpec {
+                    managed: Some(ManagedPostgresSpec::default()),
+                    external: None,
+                }),
+                sqlite: None,
+            },
+            ..Default::default()
+        }
+    }
+
+    /// What the restricted Pod Security Standard asks of a pod (policy version 1.30+).
+    fn restricted_violations(pod: &Value) -> Vec<String> {
+        let mut found = Vec::new();
+        let pod_ctx = &pod["securityContext"];
+        for c in pod["containers"].as_array().unwrap() {
+            let ctx = &c["securityContext"];
+            let name = c["name"].as_str().unwrap();
+            if ctx["allowPrivilegeEscalation"] != false {
+                found.push(format!("{name}: allowPrivilegeEscalation not false"));
+            }
+            if ctx["capabilities"]["drop"] != json!(["ALL"]) {
+                found.push(format!("{name}: capabilities not dropped"));
+            }
+            if ctx["runAsNonRoot"] != true && pod_ctx["runAsNonRoot"] != true {
+                found.push(format!("{name}: runAsNonRoot not true"));
+            }
+            if ctx["runAsUser"] == 0 || pod_ctx["runAsUser"] == 0 {
+                found.push(format!("{name}: runs as root"));
+            }
+            let seccomp = if ctx["seccompProfile"].is_null() {
+                &pod_ctx["seccompProfile"]
+            } else {
+                &ctx["seccompProfile"]
+            };
+            if seccomp["type"] != "RuntimeDefault" && seccomp["type"] != "Localhost" {
+                found.push(format!("{name}: no RuntimeDefault seccomp profile"));
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn every_pod_passes_the_restricted_pod_security_standard() {
+        for ids in [PodIds::Fixed, PodIds::Platform] {
+            for spec in [ReportsServerSpec::default(), managed_postgres_spec()] {
+                for pod in pod_specs(spec, ids) {
+                    assert_eq!(restricted_violations(&pod), Vec::<String>::new(), "{pod:#}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn platform_assigned_ids_name_no_user_or_group() {
+        for spec in [ReportsServerSpec::default(), managed_postgres_spec()] {
+            for pod in pod_specs(spec.clone(), PodIds::Platform) {
+                let text = pod.to_string();
+                for field in ["runAsUser", "runAsGroup", "fsGroup"] {
+                    assert!(!text.contains(field), "{field} in {pod:#}");
+                }
+            }
+            // Fixed: the image's own user, and the same group on the volumes.
+            for pod in pod_specs(spec, PodIds::Fixed) {
+                let ctx = &pod["securityContext"];
+                assert!(ctx["runAsUser"] == SERVER_UID || ctx["runAsUser"] == POSTGRES_UID);
+                assert_eq!(ctx["fsGroup"], ctx["runAsUser"]);
+            }
+        }
+    }
+
+    #[test]
+    fn no_priority_class_unless_asked() {
+        let pods = pod_specs(ReportsServerSpec::default(), PodIds::Fixed);
+        assert!(pods[0].get("priorityClassName").is_none(), "{:#}", pods[0]);
+        let pods = pod_specs(
+            ReportsServerSpec {
+                priority_class_name: Some("system-cluster-critical".into()),
+                ..Default::default()
+            },
+            PodIds::Fixed,
+        );
+        assert_eq!(pods[0]["priorityClassName"], "system-cluster-critical");
     }
 
     #[test]
@@ -903,6 +1079,7 @@ mod tests {
             default_image: "img",
             foreign_api_services: vec!["v1.reports.kyverno.io".into()],
             owner_uid: Some("clusterrole-uid".into()),
+            pod_ids: PodIds::Fixed,
         });
         let names: Vec<&str> = d
             .api_services

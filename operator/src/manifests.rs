@@ -81,8 +81,26 @@ fn with_ns(mut obj: Value, ns: &str) -> Value {
     obj
 }
 
-/// The objects of install.yaml, with `ns` as namespace and `image` as image.
-fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> Vec<Value> {
+/// What differs between install.yaml and the chart's templates (there, markers that become Helm
+/// expressions).
+struct Install<'a> {
+    namespace: &'a str,
+    image: &'a str,
+    replicas: Value,
+    resources: Value,
+    /// `--pod-ids` of the operator.
+    pod_ids: Value,
+}
+
+/// The objects of install.yaml.
+fn install_objects(install: Install<'_>) -> Vec<Value> {
+    let Install {
+        namespace: ns,
+        image,
+        replicas,
+        resources,
+        pod_ids,
+    } = install;
     let sa = json!([{"kind": "ServiceAccount", "name": NAME, "namespace": ns}]);
     let mut objects = server_roles();
     objects.extend([
@@ -134,6 +152,7 @@ fn install_objects(ns: &str, image: &str, replicas: Value, resources: Value) -> 
                                 // Deleted, it means an uninstall: the finalizers are released.
                                 {"name": "REPORTS_SERVER_OPERATOR_DEPLOYMENT_NAME", "value": NAME},
                                 {"name": "REPORTS_SERVER_OPERATOR_SERVER_IMAGE", "value": image},
+                                {"name": "REPORTS_SERVER_OPERATOR_POD_IDS", "value": pod_ids},
                             ],
                             "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
                             "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10},
@@ -165,15 +184,21 @@ fn default_resources() -> Value {
 
 /// `manifests/install.yaml`.
 pub fn install_yaml() -> String {
+    // Every pod of ours passes the restricted Pod Security Standard: say so, and let
+    // kube-apiserver refuse what does not (a sidecar injected by someone else, a spec.image
+    // that needs root).
+    let mut namespace_labels = labels();
+    namespace_labels["pod-security.kubernetes.io/enforce"] = json!("restricted");
     let mut out = yaml_stream(&[json!({"apiVersion": "v1", "kind": "Namespace",
-        "metadata": {"name": NAMESPACE, "labels": labels()}})]);
+        "metadata": {"name": NAMESPACE, "labels": namespace_labels}})]);
     out.push_str(&reports_server_crds::reportsserver::crd_yaml());
-    out.push_str(&yaml_stream(&install_objects(
-        NAMESPACE,
-        IMAGE,
-        json!(1),
-        default_resources(),
-    )));
+    out.push_str(&yaml_stream(&install_objects(Install {
+        namespace: NAMESPACE,
+        image: IMAGE,
+        replicas: json!(1),
+        resources: default_resources(),
+        pod_ids: json!("auto"),
+    })));
     out
 }
 
@@ -249,7 +274,22 @@ priorityClassName: \"\"
 # assign UIDs (OpenShift's restricted SCC) may.
 podSecurityContext:
 {}securityContext:
-{}# Extra operator flags, e.g. [\"--ready-requeue-seconds=600\"] (see `reports-server operator --help`).
+{}# Who chooses the user and group ids of the server and PostgreSQL pods the operator creates:
+# fixed (the images' users, also as fsGroup), platform (none: OpenShift's restricted SCC assigns
+# them), auto (platform when the cluster serves security.openshift.io).
+podIds: auto
+# NetworkPolicies (ingress only) for the pods of this release's namespace: servers accept their
+# HTTPS port only (kube-apiserver, the operator's checks, Prometheus), the operator's PostgreSQL
+# accepts the servers only, the operator its metrics port only. Enforced only by a network
+# plugin that implements NetworkPolicy.
+networkPolicy:
+  enabled: false
+  # Who may reach the servers' port (NetworkPolicyPeers). Empty: any source, because
+  # kube-apiserver's address depends on the platform; e.g. [{{ipBlock: {{cidr: 10.0.0.0/24}}}}].
+  serverFrom: []
+  # Who may scrape the operator's metrics (NetworkPolicyPeers). Empty: any source.
+  metricsFrom: []
+# Extra operator flags, e.g. [\"--ready-requeue-seconds=600\"] (see `reports-server operator --help`).
 extraArgs: []
 ",
         indent(&default_resources()),
@@ -283,6 +323,12 @@ fn helm_values_schema() -> String {
             "priorityClassName": {"type": "string"},
             "podSecurityContext": object,
             "securityContext": object,
+            "podIds": {"enum": ["auto", "fixed", "platform"]},
+            "networkPolicy": {"type": "object", "additionalProperties": false, "properties": {
+                "enabled": {"type": "boolean"},
+                "serverFrom": array,
+                "metricsFrom": array,
+            }},
             "extraArgs": {"type": "array", "items": {"type": "string"}},
         },
     });
@@ -347,12 +393,13 @@ fn helm_pod_values(templates: String) -> String {
 /// The Helm chart's files, by path under `manifests/helm/reports-server/`.
 pub fn helm_chart() -> BTreeMap<&'static str, String> {
     let version = env!("CARGO_PKG_VERSION");
-    let objects = install_objects(
-        NS_MARK,
-        IMAGE_MARK,
-        json!("__RS_REPLICAS__"),
-        json!("__RS_RESOURCES__"),
-    );
+    let objects = install_objects(Install {
+        namespace: NS_MARK,
+        image: IMAGE_MARK,
+        replicas: json!("__RS_REPLICAS__"),
+        resources: json!("__RS_RESOURCES__"),
+        pod_ids: json!("__RS_POD_IDS__"),
+    });
     let mut templates = yaml_stream(&objects);
     templates = templates
         .replace(NS_MARK, "{{ .Release.Namespace }}")
@@ -363,6 +410,10 @@ pub fn helm_chart() -> BTreeMap<&'static str, String> {
         .replace(
             "replicas: __RS_REPLICAS__",
             "replicas: {{ .Values.replicas }}",
+        )
+        .replace(
+            "value: __RS_POD_IDS__",
+            "value: {{ .Values.podIds | quote }}",
         )
         .replace(
             "resources: __RS_RESOURCES__",
@@ -388,11 +439,91 @@ pub fn helm_chart() -> BTreeMap<&'static str, String> {
         ("values.yaml", helm_values()),
         ("values.schema.json", helm_values_schema()),
         ("templates/crd.yaml", helm_crd()),
+        (
+            "templates/networkpolicy.yaml",
+            HELM_NETWORK_POLICY.to_string(),
+        ),
         ("templates/operator.yaml", templates),
         ("templates/NOTES.txt", HELM_NOTES.to_string()),
         ("README.md", HELM_README.to_string()),
     ])
 }
+
+/// The chart's optional NetworkPolicies. Ingress only: the servers' egress goes to
+/// kube-apiserver (delegated authentication, discovery), DNS and the database, and
+/// kube-apiserver's addresses depend on the platform, so a default egress rule would either
+/// allow everything or break clusters. The selectors are the labels the operator gives its pods
+/// (`operator/tests/manifests.rs` checks them against the golden objects).
+const HELM_NETWORK_POLICY: &str = r#"{{- if .Values.networkPolicy.enabled }}
+# The servers accept their HTTPS port only: kube-apiserver (the aggregation layer), the
+# operator's database checks, Prometheus.
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: reports-server
+  namespace: {{ .Release.Namespace }}
+  labels:
+    app.kubernetes.io/part-of: reports-server
+spec:
+  podSelector:
+    matchLabels:
+      app.kubernetes.io/name: reports-server
+  policyTypes: [Ingress]
+  ingress:
+  - ports:
+    - protocol: TCP
+      port: 6443
+    {{- with .Values.networkPolicy.serverFrom }}
+    from:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+---
+# The operator's PostgreSQL (spec.database.postgres.managed) accepts the servers only.
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: reports-server-postgres
+  namespace: {{ .Release.Namespace }}
+  labels:
+    app.kubernetes.io/part-of: reports-server
+spec:
+  podSelector:
+    matchLabels:
+      app.kubernetes.io/name: postgres
+      app.kubernetes.io/part-of: reports-server
+  policyTypes: [Ingress]
+  ingress:
+  - from:
+    - podSelector:
+        matchLabels:
+          app.kubernetes.io/name: reports-server
+    ports:
+    - protocol: TCP
+      port: 5432
+---
+# The operator accepts its metrics port only (it serves nothing else).
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: reports-server-operator
+  namespace: {{ .Release.Namespace }}
+  labels:
+    app.kubernetes.io/part-of: reports-server
+spec:
+  podSelector:
+    matchLabels:
+      app.kubernetes.io/name: reports-server-operator
+  policyTypes: [Ingress]
+  ingress:
+  - ports:
+    - protocol: TCP
+      port: 8080
+    {{- with .Values.networkPolicy.metricsFrom }}
+    from:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+{{- end }}
+"#;
 
 /// What `helm install` prints.
 const HELM_NOTES: &str = r#"The reports-server operator is installed in namespace {{ .Release.Namespace }}.
@@ -440,6 +571,9 @@ This chart is generated (`operator/src/manifests.rs`) from the same code as
 | `nodeSelector`, `tolerations`, `affinity`, `topologySpreadConstraints` | none | of the operator's pods (servers: the same fields of the ReportsServer spec) |
 | `priorityClassName` | none | `system-cluster-critical` is admitted outside kube-system only with a ResourceQuota allowing it |
 | `podSecurityContext`, `securityContext` | non-root, RuntimeDefault seccomp, read-only root, no capabilities, no fixed UID | of the operator pod and container |
+| `podIds` | `auto` | user and group ids of the server and PostgreSQL pods: `fixed` (65532 / 999, also as `fsGroup`), `platform` (none set; OpenShift's restricted SCC assigns them), `auto` (`platform` where `security.openshift.io` is served) |
+| `networkPolicy.enabled` | `false` | ingress NetworkPolicies: servers accept their HTTPS port only, the operator's PostgreSQL the servers only, the operator its metrics port only |
+| `networkPolicy.serverFrom`, `networkPolicy.metricsFrom` | `[]` (any source) | NetworkPolicyPeers allowed to the servers' port and the operator's metrics; kube-apiserver must stay among the servers' |
 | `extraArgs` | `[]` | operator flags, e.g. `--allowed-server-images=ghcr.io/acme/reports-server` |
 
 `values.schema.json` refuses values of the wrong shape.

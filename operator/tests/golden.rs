@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use reports_server_crds::reportsserver::*;
-use reports_server_operator::desired::{self, Database, Inputs, Tls};
+use reports_server_operator::desired::{self, Database, Inputs, PodIds, Tls};
 
 const CA: &str = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n";
 
@@ -49,6 +49,7 @@ fn render(rs: &ReportsServer) -> String {
         default_image: "reports-server:0.1.0",
         foreign_api_services: Vec::new(),
         owner_uid: Some("00000000-0000-0000-0000-0000000000c7".into()),
+        pod_ids: PodIds::Fixed,
     };
     desired::desired(&inputs).to_yaml()
 }

@@ -42,3 +42,90 @@ fn manifests_parse_and_hold_what_they_should() {
     assert!(install.contains("kind: CustomResourceDefinition"));
     assert!(!install.contains("kind: APIService"));
 }
+
+fn yaml_docs(text: &str) -> Vec<serde_json::Value> {
+    use serde::Deserialize;
+    serde_yaml::Deserializer::from_str(text)
+        .map(|d| serde_json::Value::deserialize(d).unwrap())
+        .filter(|d| !d.is_null())
+        .collect()
+}
+
+/// The pod templates (labels, container ports) of the golden installations and of install.yaml.
+fn pod_templates() -> Vec<(serde_json::Value, Vec<i64>)> {
+    let golden = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    let mut texts = vec![reports_server_operator::manifests::install_yaml()];
+    for name in ["sqlite", "postgres-managed"] {
+        texts.push(std::fs::read_to_string(golden.join(format!("{name}.yaml"))).unwrap());
+    }
+    texts
+        .iter()
+        .flat_map(|t| yaml_docs(t))
+        .filter(|d| d["kind"] == "Deployment" || d["kind"] == "StatefulSet")
+        .map(|d| {
+            let template = &d["spec"]["template"];
+            let ports = template["spec"]["containers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|c| c["ports"].as_array().cloned().unwrap_or_default())
+                .map(|p| p["containerPort"].as_i64().unwrap())
+                .collect();
+            (template["metadata"]["labels"].clone(), ports)
+        })
+        .collect()
+}
+
+/// The chart's NetworkPolicies select pods the operator really creates, each exactly one kind of
+/// pod, and open the ports those pods listen on: a renamed label or port fails here rather than
+/// cutting kube-apiserver off the servers.
+#[test]
+fn network_policies_select_the_operators_pods() {
+    let chart = reports_server_operator::manifests::helm_chart();
+    // Helm directives dropped: what remains is the policies with every value at its default.
+    let text: String = chart["templates/networkpolicy.yaml"]
+        .lines()
+        .filter(|l| !l.contains("{{"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let policies = yaml_docs(&text);
+    assert_eq!(policies.len(), 3, "{text}");
+    let templates = pod_templates();
+    for policy in &policies {
+        let name = policy["metadata"]["name"].as_str().unwrap();
+        let wanted = policy["spec"]["podSelector"]["matchLabels"]
+            .as_object()
+            .unwrap();
+        let selected: Vec<&(serde_json::Value, Vec<i64>)> = templates
+            .iter()
+            .filter(|(labels, _)| wanted.iter().all(|(k, v)| &labels[k] == v))
+            .collect();
+        assert!(!selected.is_empty(), "{name} selects no pod of ours");
+        let ports: Vec<i64> = policy["spec"]["ingress"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r["ports"].as_array().unwrap().clone())
+            .map(|p| p["port"].as_i64().unwrap())
+            .collect();
+        for (labels, listening) in selected {
+            assert_eq!(
+                &ports, listening,
+                "{name}: opens {ports:?}, the pod {labels} listens on {listening:?}"
+            );
+        }
+        // Who may reach the database: the servers, selected by labels the server pods have.
+        for rule in policy["spec"]["ingress"].as_array().unwrap() {
+            for peer in rule["from"].as_array().into_iter().flatten() {
+                let from = peer["podSelector"]["matchLabels"].as_object().unwrap();
+                assert!(
+                    templates
+                        .iter()
+                        .any(|(l, _)| from.iter().all(|(k, v)| &l[k] == v)
+                            && l["app.kubernetes.io/name"] == "reports-server"),
+                    "{name}: its peers are not the servers"
+                );
+            }
+        }
+    }
+}

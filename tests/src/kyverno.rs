@@ -469,6 +469,59 @@ impl Kyverno {
             .collect()
     }
 
+    /// Waits until the ClusterPolicies `names` are Ready and Kyverno's resource webhooks
+    /// (the mutating one too when `mutating`) cover `resource` (a plural such as `pods`):
+    /// before that, an admission request is not seen by those policies.
+    pub async fn wait_cluster_policies_ready(
+        &self,
+        names: &[&str],
+        resource: &str,
+        mutating: bool,
+    ) -> Result<Duration> {
+        let t0 = Instant::now();
+        let mut args = vec!["wait", "--for=condition=Ready", "--timeout=180s"];
+        let refs: Vec<String> = names.iter().map(|n| format!("clusterpolicy/{n}")).collect();
+        args.extend(refs.iter().map(String::as_str));
+        self.kubectl
+            .run(&args)
+            .with_context(|| format!("ClusterPolicies not Ready\n{}", self.diagnostics(30)))?;
+        let mut configs = vec![(
+            "validatingwebhookconfiguration",
+            "kyverno-resource-validating-webhook-cfg",
+        )];
+        if mutating {
+            configs.push((
+                "mutatingwebhookconfiguration",
+                "kyverno-resource-mutating-webhook-cfg",
+            ));
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for (kind, name) in configs {
+            loop {
+                let covered = self
+                    .kubectl
+                    .run(&[
+                        "get",
+                        kind,
+                        name,
+                        "-o",
+                        "jsonpath={.webhooks[*].rules[*].resources}",
+                    ])
+                    .is_ok_and(|o| o.contains(&format!("\"{resource}\"")));
+                if covered {
+                    break;
+                }
+                ensure!(
+                    Instant::now() < deadline,
+                    "{name} does not cover {resource} after 120 s\n{}",
+                    self.diagnostics(30)
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+        Ok(t0.elapsed())
+    }
+
     /// The process id of a running controller.
     pub fn pid(&self, c: Controller) -> Option<u32> {
         self.proc(c).child.as_ref().map(Child::id)

@@ -123,3 +123,39 @@ pub fn cluster_policy_api(client: &kube::Client) -> Api<DynamicObject> {
     );
     Api::all_with(client.clone(), &ar)
 }
+
+/// A ClusterPolicy whose one mutate rule (`add-mutated-label`) adds `label: "true"` to Pods in
+/// `namespace`, admission only (`background: false`). Kyverno's mutating webhook writes its
+/// admission report before the Pod has a uid (`audit.kyverno.io/resource.uid: ""`): the report
+/// reaches the Pod's PolicyReport only if the aggregator adopts it (finds the Pod, sets owner
+/// and uid).
+pub fn mutate_label_policy(
+    name: &str,
+    namespace: &str,
+    label: &str,
+    category: &str,
+    severity: &str,
+) -> serde_json::Value {
+    json!({
+        "apiVersion": "kyverno.io/v1",
+        "kind": "ClusterPolicy",
+        "metadata": {
+            "name": name,
+            "annotations": {
+                "policies.kyverno.io/category": category,
+                "policies.kyverno.io/severity": severity,
+            },
+        },
+        "spec": {
+            "background": false,
+            "rules": [{
+                "name": MUTATE_RULE,
+                "match": {"any": [{"resources": {"kinds": ["Pod"], "namespaces": [namespace]}}]},
+                "mutate": {"patchStrategicMerge": {"metadata": {"labels": {label: "true"}}}},
+            }],
+        },
+    })
+}
+
+/// The rule of [`mutate_label_policy`].
+pub const MUTATE_RULE: &str = "add-mutated-label";

@@ -48,6 +48,7 @@ use reports_server_tests::{
     delegated::{self, Server},
     kubectl::{Kubectl, kubectl_path},
     kyverno::{Controller, KYVERNO_VERSION, Kyverno, KyvernoOptions},
+    kyverno_fixtures::{MUTATE_RULE, mutate_label_policy},
     server,
 };
 use serde_json::{Value, json};
@@ -576,45 +577,14 @@ impl Env {
         resource: &str,
         mutating: bool,
     ) -> Result<()> {
-        let t0 = Instant::now();
-        let mut args = vec!["wait", "--for=condition=Ready", "--timeout=180s"];
-        let refs: Vec<String> = names.iter().map(|n| format!("clusterpolicy/{n}")).collect();
-        args.extend(refs.iter().map(String::as_str));
-        self.admin
-            .run(&args)
-            .with_context(|| format!("ClusterPolicies not Ready\n{}", self.diagnostics()))?;
-        let mut configs = vec![(
-            "validatingwebhookconfiguration",
-            "kyverno-resource-validating-webhook-cfg",
-        )];
-        if mutating {
-            configs.push((
-                "mutatingwebhookconfiguration",
-                "kyverno-resource-mutating-webhook-cfg",
-            ));
-        }
-        for (kind, name) in configs {
-            eventually(
-                &format!("{name} covers {resource}"),
-                Duration::from_secs(120),
-                || async {
-                    let out = self.admin.run(&[
-                        "get",
-                        kind,
-                        name,
-                        "-o",
-                        "jsonpath={.webhooks[*].rules[*].resources}",
-                    ]);
-                    Ok(out.is_ok_and(|o| o.contains(&format!("\"{resource}\""))))
-                },
-            )
+        let took = self
+            .kyverno
+            .wait_cluster_policies_ready(names, resource, mutating)
             .await
             .with_context(|| self.diagnostics())?;
-        }
         eprintln!(
-            "[kyverno-e2e] mode {}: policies {names:?} Ready in {:.1?}",
+            "[kyverno-e2e] mode {}: policies {names:?} Ready in {took:.1?}",
             self.mode.short(),
-            t0.elapsed()
         );
         Ok(())
     }
@@ -865,25 +835,7 @@ async fn install_scenario_policies(env: &Env) -> Result<()> {
             "E2E Admission",
             "high",
         ),
-        json!({
-            "apiVersion": "kyverno.io/v1",
-            "kind": "ClusterPolicy",
-            "metadata": {
-                "name": P_MUTATE,
-                "annotations": {
-                    "policies.kyverno.io/category": "E2E Mutate",
-                    "policies.kyverno.io/severity": "info",
-                },
-            },
-            "spec": {
-                "background": false,
-                "rules": [{
-                    "name": "add-mutated-label",
-                    "match": {"any": [{"resources": {"kinds": ["Pod"], "namespaces": [NS_MUTATE]}}]},
-                    "mutate": {"patchStrategicMerge": {"metadata": {"labels": {MUTATED_LABEL: "true"}}}},
-                }],
-            },
-        }),
+        mutate_label_policy(P_MUTATE, NS_MUTATE, MUTATED_LABEL, "E2E Mutate", "info"),
         json!({
             "apiVersion": "kyverno.io/v1",
             "kind": "ClusterPolicy",
@@ -1054,7 +1006,7 @@ async fn s_mutate(env: &mut Env) -> Result<()> {
         &Subject::pod(&p),
         &[res(
             P_MUTATE,
-            "add-mutated-label",
+            MUTATE_RULE,
             "pass",
             "E2E Mutate",
             "info",

@@ -750,6 +750,8 @@ topologySpreadConstraints: [{maxSkew: 1, topologyKey: kubernetes.io/hostname, wh
 priorityClassName: system-node-critical
 replicas: 2
 extraArgs: ["--allowed-server-images=ghcr.io/acme/reports-server"]
+podIds: platform
+networkPolicy: {enabled: true, serverFrom: [{ipBlock: {cidr: 10.0.0.0/8}}], metricsFrom: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}]}
 "#;
     let values_file = cp.dir().join("all-values.yaml");
     std::fs::write(&values_file, values)?;
@@ -770,6 +772,10 @@ extraArgs: ["--allowed-server-images=ghcr.io/acme/reports-server"]
         "topologySpreadConstraints",
         "priorityClassName: \"system-node-critical\"",
         "--allowed-server-images=ghcr.io/acme/reports-server",
+        "value: \"platform\"",
+        "kind: NetworkPolicy",
+        "cidr: 10.0.0.0/8",
+        "kubernetes.io/metadata.name: monitoring",
     ] {
         ensure!(
             rendered.contains(wanted),

@@ -8,7 +8,9 @@
 //!
 //! One isolated run covers, in order:
 //!
-//! 1. **install**: the operator's Deployment becomes Available (in-cluster client, its RBAC);
+//! 1. **install**: the operator's Deployment becomes Available (in-cluster client, its RBAC),
+//!    in a namespace enforcing the restricted Pod Security Standard, which every pod below
+//!    (servers, the managed PostgreSQL) passes;
 //! 2. **sqlite** (`sqlite.yaml`): the StatefulSet's pod is Ready, the three APIServices are
 //!    Available with the operator's CA as `caBundle`, reports are written and read through
 //!    kube-apiserver, the live objects match `operator/tests/golden/sqlite.yaml`, and deleting
@@ -122,6 +124,19 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
     eprintln!(
         "[e2e_operator_node] operator ({operator_image}) Available in {:.1?}",
         t.elapsed()
+    );
+    // Every pod below (servers, the managed PostgreSQL, the test's own database) is admitted
+    // under the restricted Pod Security Standard install.yaml enforces on the namespace.
+    let enforce = kubectl.run(&[
+        "get",
+        "namespace",
+        NS,
+        "-o",
+        "jsonpath={.metadata.labels.pod-security\\.kubernetes\\.io/enforce}",
+    ])?;
+    ensure!(
+        enforce.trim() == "restricted",
+        "namespace {NS} does not enforce the restricted Pod Security Standard: {enforce:?}"
     );
     create_volumes(&kubectl, run, 3)?;
 
@@ -849,12 +864,16 @@ spec:
   template:
     metadata: {{labels: {{app: {USERS_DB}}}}}
     spec:
-      securityContext: {{fsGroup: 999}}
+      # The restricted Pod Security Standard of the operator's namespace (install.yaml).
+      securityContext: {{runAsNonRoot: true, runAsUser: 999, runAsGroup: 999, fsGroup: 999, seccompProfile: {{type: RuntimeDefault}}}}
       containers:
       - name: postgres
         image: {POSTGRES_IMAGE}
         args: [postgres, -c, ssl=on, -c, ssl_cert_file=/tls/tls.crt, -c, ssl_key_file=/tls/tls.key]
+        securityContext: {{allowPrivilegeEscalation: false, capabilities: {{drop: [ALL]}}}}
         env:
+        # A directory PostgreSQL creates itself (it insists on owning its data directory).
+        - {{name: PGDATA, value: /var/lib/postgresql/data/pgdata}}
         - {{name: POSTGRES_USER, value: reports}}
         - {{name: POSTGRES_DB, value: reports}}
         - {{name: POSTGRES_PASSWORD, value: {USERS_DB_PASSWORD}}}

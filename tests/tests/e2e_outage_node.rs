@@ -14,7 +14,11 @@
 //! 2. **black-holed**: every packet into the PostgreSQL pod's network namespace dropped
 //!    (nftables in that namespace), then let through again.
 //!
-//! Each must show: no discovery failure; the three APIServices Available and both server pods
+//! First, with the database up, Kyverno's admission-report adoption: a mutating policy's report,
+//! written before its Pod had a uid, ends in the Pod's PolicyReport through the servers' shipped
+//! ClusterRole (the adoption reads the Pod; no Secret, no `*`).
+//!
+//! Each outage must show: no discovery failure; the three APIServices Available and both server pods
 //! Ready with no restart throughout; every data call after detection answered 503 within 1 s;
 //! every acknowledged write present and every refused one absent afterwards (ambiguous ones
 //! counted); no Kyverno restart; every Pod's PolicyReport right within 60 s of recovery; the
@@ -32,16 +36,24 @@ use reports_server_tests::{
     kube_client_with_retries,
     kubectl::Kubectl,
     kyverno::{Controller, Kyverno, KyvernoOptions},
+    kyverno_fixtures::{MUTATE_RULE, mutate_label_policy},
     node::{self, ApiPoller, Node, POSTGRES_IMAGE, RunDir},
     operator::{self, NS, condition, rs_json},
 };
 use serde_json::{Value, json};
 
 const PG: &str = "outage-db";
+/// The user's database lives in a namespace of its own: it needs a host path, which the
+/// restricted Pod Security Standard of the operator's namespace refuses.
+const DB_NS: &str = "outage-db";
 const PG_PASSWORD: &str = "e2e-outage-password";
 const PODS_NS: &str = "outage-pods";
 const WRITES_NS: &str = "outage-writes";
 const POLICY: &str = "require-team";
+/// Where a mutating policy's admission report must be adopted.
+const ADOPTION_NS: &str = "adoption";
+const ADOPTION_POLICY: &str = "e2e-mutate-add-label";
+const MUTATED_LABEL: &str = "e2e.reports-server.io/mutated";
 const SERVER_PODS: &str =
     "app.kubernetes.io/name=reports-server,app.kubernetes.io/instance=reports-server";
 const READY_TIMEOUT: Duration = Duration::from_secs(240);
@@ -96,6 +108,10 @@ async fn on_the_node(run: RunDir) -> Result<()> {
     let result = async {
         let mut env = Env::install(&node, &run).await?;
         let mut failures = Vec::new();
+        if let Err(e) = env.admission_report_adoption().await {
+            eprintln!("[e2e_outage_node] admission-report adoption FAILED: {e:#}");
+            failures.push(format!("admission-report adoption: {e:#}"));
+        }
         for outage in outages_to_stage()? {
             if let Err(e) = env.outage(outage).await {
                 eprintln!("[e2e_outage_node] {outage:?} FAILED: {e:#}");
@@ -226,11 +242,11 @@ impl<'a> Env<'a> {
             Outage::Stopped => {
                 let deployment = format!("deployment/{PG}");
                 self.kubectl
-                    .run(&["scale", "-n", NS, &deployment, "--replicas=0"])?;
+                    .run(&["scale", "-n", DB_NS, &deployment, "--replicas=0"])?;
                 self.kubectl.run(&[
                     "wait",
                     "-n",
-                    NS,
+                    DB_NS,
                     "--for=delete",
                     "pod",
                     "-l",
@@ -259,12 +275,12 @@ impl<'a> Env<'a> {
             Outage::Stopped => {
                 let deployment = format!("deployment/{PG}");
                 self.kubectl
-                    .run(&["scale", "-n", NS, &deployment, "--replicas=1"])?;
+                    .run(&["scale", "-n", DB_NS, &deployment, "--replicas=1"])?;
                 self.kubectl.run(&[
                     "rollout",
                     "status",
                     "-n",
-                    NS,
+                    DB_NS,
                     &deployment,
                     "--timeout=120s",
                 ])?;
@@ -280,7 +296,7 @@ impl<'a> Env<'a> {
             "get",
             "pods",
             "-n",
-            NS,
+            DB_NS,
             "-l",
             &format!("app={PG}"),
             "-o",
@@ -298,6 +314,83 @@ impl<'a> Env<'a> {
             }
         }
         bail!("no network namespace under /run/netns holds {ip}")
+    }
+
+    /// Kyverno's mutating webhook writes its admission report before the Pod has a uid; the
+    /// servers, with no more rights than the shipped `reports-server` ClusterRole (no Secrets,
+    /// read of the kinds Kyverno reports on), must find the Pod, adopt the report and merge it
+    /// into the Pod's PolicyReport, leaving no EphemeralReport behind.
+    async fn admission_report_adoption(&self) -> Result<()> {
+        let t = Instant::now();
+        let policy = mutate_label_policy(
+            ADOPTION_POLICY,
+            ADOPTION_NS,
+            MUTATED_LABEL,
+            "E2E Mutate",
+            "info",
+        );
+        let objects = json!({"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ADOPTION_NS}},
+            policy,
+        ]});
+        self.kubectl
+            .run_with_stdin(&["apply", "-f", "-"], Some(&objects.to_string()))?;
+        self.kyverno
+            .wait_cluster_policies_ready(&[ADOPTION_POLICY], "pods", true)
+            .await?;
+        let mut pod = pending_pod("adopted", true);
+        pod["metadata"]["namespace"] = json!(ADOPTION_NS);
+        let created: Value = serde_json::from_str(
+            &self
+                .kubectl
+                .run_with_stdin(&["create", "-o", "json", "-f", "-"], Some(&pod.to_string()))?,
+        )?;
+        ensure!(
+            created["metadata"]["labels"][MUTATED_LABEL] == "true",
+            "Kyverno's mutating webhook did not add {MUTATED_LABEL}: {}",
+            created["metadata"]
+        );
+        let uid = created["metadata"]["uid"].as_str().unwrap_or_default();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let report = self
+                .kubectl
+                .run(&["get", "policyreport", "-n", ADOPTION_NS, uid, "-o", "json"])
+                .ok()
+                .and_then(|t| serde_json::from_str::<Value>(&t).ok());
+            let ephemeral =
+                self.kubectl
+                    .run(&["get", "ephemeralreports", "-n", ADOPTION_NS, "-o", "name"])?;
+            let merged = report.as_ref().is_some_and(|r| {
+                r["metadata"]["ownerReferences"][0]["uid"] == uid
+                    && r["results"].as_array().is_some_and(|results| {
+                        results.iter().any(|x| {
+                            x["policy"] == ADOPTION_POLICY
+                                && x["rule"] == MUTATE_RULE
+                                && x["result"] == "pass"
+                        })
+                    })
+            });
+            if merged && ephemeral.trim().is_empty() {
+                break;
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "after 120 s: the Pod's PolicyReport {} and EphemeralReports left {:?}\n{}",
+                report
+                    .map(|r| r.to_string())
+                    .unwrap_or_else(|| "missing".into()),
+                ephemeral.trim(),
+                self.kyverno.diagnostics(20)
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        eprintln!(
+            "[e2e_outage_node] admission report written before the Pod had a uid: adopted and \
+             merged into the Pod's PolicyReport, none left, in {:.1?}",
+            t.elapsed()
+        );
+        Ok(())
     }
 
     /// After the database is back: the writes, every Pod's report, the namespace, the condition.
@@ -356,15 +449,19 @@ fn postgres(kubectl: &Kubectl, run: &RunDir) -> Result<()> {
     std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o1777))?;
     let yaml = format!(
         r#"apiVersion: v1
+kind: Namespace
+metadata: {{name: {DB_NS}}}
+---
+apiVersion: v1
 kind: Service
-metadata: {{name: {PG}, namespace: {NS}}}
+metadata: {{name: {PG}, namespace: {DB_NS}}}
 spec:
   selector: {{app: {PG}}}
   ports: [{{name: postgres, port: 5432, targetPort: 5432}}]
 ---
 apiVersion: apps/v1
 kind: Deployment
-metadata: {{name: {PG}, namespace: {NS}}}
+metadata: {{name: {PG}, namespace: {DB_NS}}}
 spec:
   replicas: 1
   strategy: {{type: Recreate}}
@@ -396,7 +493,7 @@ spec:
         "rollout",
         "status",
         "-n",
-        NS,
+        DB_NS,
         &format!("deployment/{PG}"),
         "--timeout=180s",
     ])?;
@@ -409,7 +506,7 @@ fn installation() -> String {
         r#"apiVersion: v1
 kind: Secret
 metadata: {{name: reports-db, namespace: {NS}}}
-stringData: {{host: {PG}.{NS}.svc, port: "5432", database: reports, username: reports, password: {PG_PASSWORD}}}
+stringData: {{host: {PG}.{DB_NS}.svc, port: "5432", database: reports, username: reports, password: {PG_PASSWORD}}}
 ---
 apiVersion: reportsserver.io/v1alpha1
 kind: ReportsServer

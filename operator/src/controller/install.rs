@@ -122,6 +122,7 @@ pub(super) async fn converge(
             .cloned()
             .collect(),
         owner_uid,
+        pod_ids: ctx.config.pod_ids,
     };
     let want = desired::desired(&inputs);
     let workload = apply_workload(rs, ctx, &want, &database).await?;

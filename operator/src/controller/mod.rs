@@ -107,6 +107,8 @@ pub struct OperatorConfig {
     pub database_check_interval: Duration,
     /// Events' reporting instance (the pod name).
     pub instance: Option<String>,
+    /// Whether the pods name their user and group ids or the platform assigns them.
+    pub pod_ids: crate::desired::PodIds,
 }
 
 impl Default for OperatorConfig {
@@ -122,6 +124,7 @@ impl Default for OperatorConfig {
             max_backoff: Duration::from_secs(300),
             database_check_interval: Duration::from_secs(10),
             instance: None,
+            pod_ids: crate::desired::PodIds::Fixed,
         }
     }
 }
