@@ -75,6 +75,19 @@ impl ReportKind {
         )
     }
 
+    /// The same final kind in the other report group (`PolicyReport` ↔ `Report`,
+    /// `ClusterPolicyReport` ↔ `ClusterReport`): what Kyverno wrote before the output group was
+    /// switched (`--openreportsEnabled`, `--aggregation-output`). `None` for ephemeral kinds.
+    pub fn counterpart(self) -> Option<Self> {
+        Some(match self {
+            Self::PolicyReport => Self::Report,
+            Self::Report => Self::PolicyReport,
+            Self::ClusterPolicyReport => Self::ClusterReport,
+            Self::ClusterReport => Self::ClusterPolicyReport,
+            Self::EphemeralReport | Self::ClusterEphemeralReport => return None,
+        })
+    }
+
     /// Recognises `kind` in `apiVersion` (group checked, version ignored so that a future
     /// version of the same kind is not silently taken for something else).
     pub fn from_type(api_version: &str, kind: &str) -> Option<Self> {

@@ -522,6 +522,73 @@ impl Kyverno {
         Ok(t0.elapsed())
     }
 
+    /// Waits until each CEL policy (`policies.kyverno.io`; `(plural, namespace, name)`, the
+    /// namespace empty for the cluster-scoped kinds) reports `status.conditionStatus.ready`
+    /// (they have no `Ready` condition for `kubectl wait --for=condition`) and its name is in
+    /// the URL of one of Kyverno's resource webhooks: Kyverno marks the webhook configured
+    /// before it writes the configuration, and the handler evaluates only the policies its URL
+    /// names. Generating policies need no webhook of their own beyond the validating one.
+    pub async fn wait_cel_policies_ready(
+        &self,
+        policies: &[(&str, &str, &str)],
+    ) -> Result<Duration> {
+        let t0 = Instant::now();
+        for (plural, namespace, name) in policies {
+            let object = format!("{plural}.policies.kyverno.io/{name}");
+            let mut args = vec![
+                "wait",
+                "--for=jsonpath={.status.conditionStatus.ready}=true",
+                "--timeout=180s",
+                object.as_str(),
+            ];
+            if !namespace.is_empty() {
+                args.extend(["-n", namespace]);
+            }
+            self.kubectl
+                .run(&args)
+                .with_context(|| format!("{object} not ready\n{}", self.diagnostics(30)))?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let mut urls = String::new();
+            for kind in [
+                "validatingwebhookconfiguration/kyverno-resource-validating-webhook-cfg",
+                "mutatingwebhookconfiguration/kyverno-resource-mutating-webhook-cfg",
+            ] {
+                urls.push_str(
+                    &self
+                        .kubectl
+                        .run(&[
+                            "get",
+                            kind,
+                            "-o",
+                            "jsonpath={.webhooks[*].clientConfig.url}",
+                        ])
+                        .unwrap_or_default(),
+                );
+                urls.push(' ');
+            }
+            let missing: Vec<&str> = policies
+                .iter()
+                .map(|(_, _, name)| *name)
+                .filter(|name| {
+                    !urls
+                        .split(|c: char| c == '/' || c.is_whitespace())
+                        .any(|segment| segment == *name)
+                })
+                .collect();
+            if missing.is_empty() {
+                return Ok(t0.elapsed());
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "no Kyverno resource webhook names {missing:?} after 120 s (URLs: {urls})\n{}",
+                self.diagnostics(30)
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
     /// The process id of a running controller.
     pub fn pid(&self, c: Controller) -> Option<u32> {
         self.proc(c).child.as_ref().map(Child::id)

@@ -315,8 +315,13 @@ async fn listen(ip: Ipv4Addr, port: u16, table: Table) -> Result<()> {
         .await
         .context("running ip")?;
     let stderr = String::from_utf8_lossy(&out.stderr);
+    // An address another Service's port already put there (a ClusterIP freed and reused, with
+    // another port): iproute2 says "File exists" or, in newer releases, "Address already
+    // assigned".
     anyhow::ensure!(
-        out.status.success() || stderr.contains("File exists"),
+        out.status.success()
+            || stderr.contains("File exists")
+            || stderr.contains("already assigned"),
         "ip addr add {ip}/32 dev lo: {stderr}"
     );
     let listener = tokio::net::TcpListener::bind((ip, port)).await?;

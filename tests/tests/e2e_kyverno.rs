@@ -23,7 +23,7 @@
 //! `REPORTS_SERVER_KYVERNO_PODS` sets the size of the background-scan figure (default 500).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     path::PathBuf,
     sync::{
@@ -1293,6 +1293,291 @@ async fn delete_one_policy(
     Ok(())
 }
 
+// ---- the CEL policy kinds of policies.kyverno.io (mode B) ----------------------------------------
+
+const NS_CEL: &str = "kyv-cel";
+/// Where the Namespaced* kinds live (their results name them `<namespace>/<name>`).
+const NS_CEL_NAMESPACED: &str = "kyv-cel-ns";
+/// A ValidatingPolicy over both CEL namespaces that is never deleted: the Pods' reports keep a
+/// result, so "the deleted policies' results are gone" cannot pass by the report vanishing.
+const CEL_KEEP: &str = "e2e-vpol-keep";
+const CEL_DISABLED: &str = "e2e-vpol-disabled";
+const CEL_MUTATED_LABEL: &str = "celmutated";
+const VPOL: &str = "KyvernoValidatingPolicy";
+const MPOL: &str = "KyvernoMutatingPolicy";
+const GPOL: &str = "KyvernoGeneratingPolicy";
+
+/// `matchConstraints` for Pods, in `namespaces` (cluster kinds; by namespace selector, since a
+/// false matchCondition would still make a MutatingPolicy's background scan report `skip`).
+fn cel_pods(namespaces: &[&str], operations: &[&str]) -> Value {
+    let mut m = json!({"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
+        "operations": operations, "resources": ["pods"]}]});
+    if !namespaces.is_empty() {
+        m["namespaceSelector"] = json!({"matchExpressions": [{"key": "kubernetes.io/metadata.name",
+            "operator": "In", "values": namespaces}]});
+    }
+    m
+}
+
+fn cel_policy(kind: &str, name: &str, namespace: &str, spec: Value) -> Value {
+    let mut metadata = json!({"name": name});
+    if !namespace.is_empty() {
+        metadata["namespace"] = json!(namespace);
+    }
+    json!({"apiVersion": "policies.kyverno.io/v1beta1", "kind": kind, "metadata": metadata,
+           "spec": spec})
+}
+
+/// Audit (a Deny that fails writes no admission report), at admission and in the background.
+fn requires_label(namespaces: &[&str], label: &str) -> Value {
+    json!({"validationActions": ["Audit"],
+        "evaluation": {"admission": {"enabled": true}, "background": {"enabled": true}},
+        "matchConstraints": cel_pods(namespaces, &["CREATE", "UPDATE"]),
+        "validations": [{
+            "expression": format!("has(object.metadata.labels) && '{label}' in object.metadata.labels"),
+            "message": format!("label {label} is required")}]})
+}
+
+fn adds_label(namespaces: &[&str]) -> Value {
+    json!({"evaluation": {"admission": {"enabled": true}, "background": {"enabled": true}},
+        "matchConstraints": cel_pods(namespaces, &["CREATE"]),
+        "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression":
+            format!("Object{{metadata: Object.metadata{{labels: Object.metadata.labels{{{CEL_MUTATED_LABEL}: \"true\"}}}}}}")}}]})
+}
+
+/// A ConfigMap `<prefix>-<pod>` next to each new Pod (the namespaced kind generates into its
+/// own namespace only, and its `generator.apply` takes no namespace).
+fn generates_config_map(namespaces: &[&str], prefix: &str, namespaced: bool) -> Value {
+    let (metadata, apply) = if namespaced {
+        (
+            format!(r#"dyn({{"name": "{prefix}-" + string(object.metadata.name)}})"#),
+            "generator.apply(variables.cm)",
+        )
+    } else {
+        (
+            format!(
+                r#"dyn({{"name": "{prefix}-" + string(object.metadata.name), "namespace": string(object.metadata.namespace)}})"#
+            ),
+            "generator.apply(string(object.metadata.namespace), variables.cm)",
+        )
+    };
+    json!({"matchConstraints": cel_pods(namespaces, &["CREATE"]),
+        "variables": [{"name": "cm", "expression": format!(
+            r#"[{{"kind": dyn("ConfigMap"), "apiVersion": dyn("v1"), "metadata": {metadata}, "data": dyn({{"trigger": string(object.metadata.name)}})}}]"#)}],
+        "generate": [{"expression": apply}]})
+}
+
+/// `(policy, source)` → result of every CEL-kind result (source not `kyverno`) in a report.
+fn cel_results(report: &Value) -> BTreeMap<(String, String), String> {
+    report["results"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["source"] != "kyverno")
+        .map(|r| {
+            let s = |k: &str| r[k].as_str().unwrap_or_default().to_owned();
+            ((s("policy"), s("source")), s("result"))
+        })
+        .collect()
+}
+
+/// Waits until the CEL results of `subject`'s report are exactly `expected` (`None`: any
+/// result).
+async fn expect_cel_results(
+    env: &Env,
+    subject: &Subject,
+    expected: &[(&str, &str, Option<&str>)],
+) -> Result<Duration> {
+    let wanted: BTreeSet<(String, String)> = expected
+        .iter()
+        .map(|(p, s, _)| (p.to_string(), s.to_string()))
+        .collect();
+    let t0 = Instant::now();
+    loop {
+        let seen = env
+            .report_of(subject)
+            .await?
+            .map(|r| cel_results(&r))
+            .unwrap_or_default();
+        let keys: BTreeSet<(String, String)> = seen.keys().cloned().collect();
+        let results_right = expected.iter().all(|(p, s, result)| {
+            result.is_none_or(|r| {
+                seen.get(&(p.to_string(), s.to_string()))
+                    .is_some_and(|x| x == r)
+            })
+        });
+        if keys == wanted && results_right {
+            return Ok(t0.elapsed());
+        }
+        if t0.elapsed() > REPORT_TIMEOUT {
+            bail!(
+                "the CEL results of {} are not {expected:?} after {REPORT_TIMEOUT:?}; last seen: \
+                 {seen:?}\n{}",
+                subject.label(),
+                env.diagnostics()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// ValidatingPolicy, MutatingPolicy and GeneratingPolicy, cluster-scoped and namespaced: each
+/// reports on the Pods it matches (results named `<name>` or `<namespace>/<name>`, rule-less
+/// except for generation); a policy labelled `reports.kyverno.io/disabled` reports nothing;
+/// deleting the six drops their results from the reports, the kept policy's stay.
+async fn s_cel_policies(env: &mut Env) -> Result<()> {
+    for ns in [NS_CEL, NS_CEL_NAMESPACED] {
+        env.create_namespace(ns, json!({})).await?;
+    }
+    let mut disabled = cel_policy(
+        "ValidatingPolicy",
+        CEL_DISABLED,
+        "",
+        requires_label(&[NS_CEL], "disabled-check"),
+    );
+    disabled["metadata"]["labels"] = json!({"reports.kyverno.io/disabled": "true"});
+    let nsd = NS_CEL_NAMESPACED;
+    let deleted = [
+        ("validatingpolicies", "", "e2e-vpol-team"),
+        ("mutatingpolicies", "", "e2e-mpol-label"),
+        ("generatingpolicies", "", "e2e-gpol-cm"),
+        ("namespacedvalidatingpolicies", nsd, "e2e-nvpol-team"),
+        ("namespacedmutatingpolicies", nsd, "e2e-nmpol-label"),
+        ("namespacedgeneratingpolicies", nsd, "e2e-ngpol-cm"),
+    ];
+    let policies = vec![
+        cel_policy(
+            "ValidatingPolicy",
+            CEL_KEEP,
+            "",
+            requires_label(&[NS_CEL, nsd], "keep"),
+        ),
+        disabled,
+        cel_policy(
+            "ValidatingPolicy",
+            "e2e-vpol-team",
+            "",
+            requires_label(&[NS_CEL], "team"),
+        ),
+        cel_policy(
+            "MutatingPolicy",
+            "e2e-mpol-label",
+            "",
+            adds_label(&[NS_CEL]),
+        ),
+        cel_policy(
+            "GeneratingPolicy",
+            "e2e-gpol-cm",
+            "",
+            generates_config_map(&[NS_CEL], "e2e-gpol", false),
+        ),
+        cel_policy(
+            "NamespacedValidatingPolicy",
+            "e2e-nvpol-team",
+            nsd,
+            requires_label(&[], "team"),
+        ),
+        cel_policy(
+            "NamespacedMutatingPolicy",
+            "e2e-nmpol-label",
+            nsd,
+            adds_label(&[]),
+        ),
+        cel_policy(
+            "NamespacedGeneratingPolicy",
+            "e2e-ngpol-cm",
+            nsd,
+            generates_config_map(&[], "e2e-ngpol", true),
+        ),
+    ];
+    env.apply(&json!({"apiVersion": "v1", "kind": "List", "items": policies}))?;
+    let mut ready: Vec<(&str, &str, &str)> = vec![("validatingpolicies", "", CEL_KEEP)];
+    ready.extend(deleted);
+    let took = env.kyverno.wait_cel_policies_ready(&ready).await?;
+    eprintln!(
+        "[kyverno-e2e] mode {}: CEL policies ready in {took:.1?}",
+        env.mode.short()
+    );
+
+    let cluster_pod = Subject::pod(&env.create_pod(NS_CEL, pod("cel", json!({}), PAUSE)).await?);
+    let namespaced_pod = Subject::pod(&env.create_pod(nsd, pod("cel-ns", json!({}), PAUSE)).await?);
+    for (ns, name) in [(NS_CEL, "cel"), (nsd, "cel-ns")] {
+        let p = Api::<Pod>::namespaced(env.client.clone(), ns)
+            .get(name)
+            .await?;
+        let labels = p.metadata.labels.unwrap_or_default();
+        ensure!(
+            labels.get(CEL_MUTATED_LABEL).map(String::as_str) == Some("true"),
+            "the MutatingPolicy of {ns} did not label Pod {name}: {labels:?}"
+        );
+    }
+    let keep = (CEL_KEEP, VPOL, Some("fail"));
+    expect_cel_results(
+        env,
+        &cluster_pod,
+        &[
+            keep,
+            ("e2e-vpol-team", VPOL, Some("fail")),
+            ("e2e-mpol-label", MPOL, None),
+            ("e2e-gpol-cm", GPOL, Some("pass")),
+        ],
+    )
+    .await?;
+    let (nvpol, nmpol, ngpol) = (
+        format!("{nsd}/e2e-nvpol-team"),
+        format!("{nsd}/e2e-nmpol-label"),
+        format!("{nsd}/e2e-ngpol-cm"),
+    );
+    expect_cel_results(
+        env,
+        &namespaced_pod,
+        &[
+            keep,
+            (&nvpol, VPOL, Some("fail")),
+            (&nmpol, MPOL, None),
+            (&ngpol, GPOL, Some("pass")),
+        ],
+    )
+    .await?;
+    let leaked = env.results_of_policy(&[CEL_DISABLED]).await?;
+    ensure!(
+        leaked.is_empty(),
+        "results of the report-disabled {CEL_DISABLED}: {leaked:?}"
+    );
+    eprintln!(
+        "[kyverno-e2e] mode {}: six CEL policy kinds reported, the disabled one did not",
+        env.mode.short()
+    );
+
+    for (plural, ns, name) in deleted {
+        let mut args = vec!["delete", plural, name, "--wait=true"];
+        if !ns.is_empty() {
+            args.extend(["-n", ns]);
+        }
+        let object = format!("{plural}.policies.kyverno.io");
+        args[1] = &object;
+        env.admin.run(&args)?;
+    }
+    let t = Instant::now();
+    expect_cel_results(env, &cluster_pod, &[keep]).await?;
+    expect_cel_results(env, &namespaced_pod, &[keep]).await?;
+    let names: Vec<&str> = ["e2e-vpol-team", "e2e-mpol-label", "e2e-gpol-cm"]
+        .into_iter()
+        .chain([nvpol.as_str(), nmpol.as_str(), ngpol.as_str()])
+        .collect();
+    let left = env.results_of_policy(&names).await?;
+    ensure!(
+        left.is_empty(),
+        "results of deleted CEL policies left: {left:?}"
+    );
+    eprintln!(
+        "[kyverno-e2e] mode {}: results of the six deleted CEL policies dropped in {:.1?}",
+        env.mode.short(),
+        t.elapsed()
+    );
+    Ok(())
+}
+
 /// Deleting a Pod garbage-collects its PolicyReport (kube-controller-manager, ownerReference).
 async fn s_pod_deletion(env: &mut Env) -> Result<()> {
     let pods = Api::<Pod>::namespaced(env.client.clone(), NS_ADMISSION);
@@ -1607,6 +1892,14 @@ async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
             "deleting ClusterPolicies drops results",
             s_delete_policy
         );
+        if env.mode == Mode::ServerAggregates {
+            scenario!(
+                env,
+                outcomes,
+                "CEL policy kinds: results, disabled label, deletion",
+                s_cel_policies
+            );
+        }
         scenario!(env, outcomes, "Pod deletion GCs its report", s_pod_deletion);
         scenario!(
             env,

@@ -5,10 +5,10 @@ use std::collections::BTreeSet;
 use std::sync::RwLock;
 
 use reports_server_aggregator::{
-    AggregationBackend, BackendError, Ephemeral, FinalReport, InputPage, ObjectKey, PageRequest,
-    Plan, PolicySet, ReportKind,
+    AggregationBackend, BackendError, Ephemeral, FinalReport, InputPage, ObjectKey, OutputFormat,
+    PageRequest, Plan, PolicySet, ReportKind,
 };
-use reports_server_crds::catalog;
+use reports_server_crds::{ResourceDescriptor, catalog};
 use serde_json::Value;
 
 use crate::registry::{
@@ -65,19 +65,53 @@ impl StoreBackend {
             &catalog::REPORT,
             &catalog::CLUSTER_REPORT,
         ];
-        let managed = (sweep == Sweep::Inputs).then_some((&reports[..], LABELS));
-        self.store.merge_namespaces(&ephemerals, managed).await
+        match sweep {
+            Sweep::Ephemerals => self.store.merge_namespaces(&ephemerals, None).await,
+            Sweep::Inputs => {
+                self.store
+                    .merge_namespaces(&ephemerals, Some((&reports[..], LABELS)))
+                    .await
+            }
+            Sweep::OtherGroup(output) => {
+                let other: Vec<&ResourceDescriptor> = ["namespace", ""]
+                    .into_iter()
+                    .filter_map(|ns| output.kind_for(ns).counterpart())
+                    .map(descriptor)
+                    .collect();
+                let namespaces = self
+                    .store
+                    .merge_namespaces(&[], Some((&other[..], LABELS)))
+                    .await?;
+                if !namespaces.is_empty() {
+                    tracing::info!(
+                        namespaces = namespaces.len(),
+                        output = %output,
+                        "Kyverno's reports of the other report group found (written before the \
+                         output group was switched): each namespace's merge moves them into \
+                         --aggregation-output and deletes them there"
+                    );
+                }
+                Ok(namespaces)
+            }
+        }
     }
 
     async fn page(&self, request: PageRequest<'_>) -> Result<InputPage, AggregationError> {
         let ns = request.namespace;
         let eph_kind = ephemeral_kind(ns);
         let first_page = request.continue_token.is_none();
+        // The other report group's managed copies too: the merge takes their results over and
+        // deletes them in the same transaction, so that after a switch of the output group
+        // (`--aggregation-output`) no stale copy stays behind.
+        let reports: Vec<&'static ResourceDescriptor> = std::iter::once(request.report_kind)
+            .chain(request.report_kind.counterpart())
+            .map(descriptor)
+            .collect();
         let rows = self
             .store
             .merge_page(&MergePageQuery {
                 namespace: ns,
-                reports: descriptor(request.report_kind),
+                reports: &reports,
                 ephemerals: descriptor(eph_kind),
                 after: request.continue_token,
                 limit: request.limit,
@@ -285,4 +319,7 @@ pub(super) enum Sweep {
     Ephemerals,
     /// Those holding ephemeral reports or Kyverno-managed reports (after a policy change).
     Inputs,
+    /// Those holding Kyverno-managed reports of the group this output does not write (at the
+    /// start of a term: the output group may have been switched since they were written).
+    OtherGroup(OutputFormat),
 }

@@ -161,10 +161,14 @@ impl InProcessMerger {
             }
             _ => None,
         };
+        let output = config.merge.output;
         let aggregator = Aggregator::new(self.backend.clone(), config, self.metrics.clone());
         // Subscribe before listing, so that a change is either in the listing or on the feed.
         let (changes, _) = self.store.feed().subscribe().await;
-        let events = follow_changes(&self.backend, &aggregator, changes, &term);
+        let events = async {
+            enqueue_all(&self.backend, &aggregator, &term, Sweep::OtherGroup(output)).await;
+            follow_changes(&self.backend, &aggregator, changes, &term).await;
+        };
         let handler = {
             let aggregator = aggregator.clone();
             move |namespace: String| {
@@ -246,6 +250,7 @@ async fn enqueue_all(
     let what = match sweep {
         Sweep::Ephemerals => "with ephemeral reports",
         Sweep::Inputs => "with ephemeral or Kyverno-managed reports",
+        Sweep::OtherGroup(_) => "with Kyverno-managed reports of the other report group",
     };
     sweep_namespaces(aggregator.queue(), cancel, what, || {
         backend.namespaces(sweep)

@@ -36,8 +36,9 @@ pub struct MergeLabels<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct MergePageQuery<'a> {
     pub namespace: &'a str,
-    /// The kind the merge writes (PolicyReport or ClusterPolicyReport).
-    pub reports: &'static ResourceDescriptor,
+    /// The final kinds read: the one the merge writes first (PolicyReport, Report, …), then
+    /// any other whose managed reports the merge takes over (the other report group's).
+    pub reports: &'a [&'static ResourceDescriptor],
     /// The kind it reads (EphemeralReport or ClusterEphemeralReport).
     pub ephemerals: &'static ResourceDescriptor,
     /// The last subject of the previous page (`None` on the first page).
@@ -53,7 +54,7 @@ pub struct MergePage {
     pub subjects: Vec<String>,
     /// The subject after which the next page starts, if one follows.
     pub next: Option<String>,
-    /// Reports of the written kind scoped to a subject of the page or named like one, and on
+    /// Reports of the read kinds scoped to a subject of the page or named like one, and on
     /// the first page every report without a scope (per-policy reports span subjects).
     pub reports: Vec<Value>,
     /// Every ephemeral report of the page's subjects.
@@ -79,8 +80,10 @@ impl Store {
         let keys = |kinds: &[&ResourceDescriptor]| -> Vec<String> {
             kinds.iter().map(|r| Store::resource_key(r)).collect()
         };
-        let mut wanted =
-            Cond::any().add(Expr::col((o(), Objects::Resource)).is_in(keys(ephemerals)));
+        let mut wanted = Cond::any();
+        if !ephemerals.is_empty() {
+            wanted = wanted.add(Expr::col((o(), Objects::Resource)).is_in(keys(ephemerals)));
+        }
         if let Some((reports, labels)) = reports {
             wanted = wanted.add(
                 Cond::all()
@@ -131,7 +134,7 @@ impl Store {
         if !subjects.is_empty() || first_page {
             let statement = self.reports_statement(q, &subjects, first_page);
             page.reports = self
-                .documents(&txn, &statement, q.namespace, q.reports)
+                .documents(&txn, &statement, q.namespace, q.reports[0])
                 .await?;
         }
         if !subjects.is_empty() {
@@ -169,10 +172,20 @@ impl Store {
 
     /// `SELECT … FROM objects o WHERE` this cluster, `resource` and `namespace`.
     fn objects_of(&self, resource: &ResourceDescriptor, namespace: &str) -> SelectStatement {
+        self.objects_of_any(&[resource], namespace)
+    }
+
+    /// `SELECT … FROM objects o WHERE` this cluster, one of `resources` and `namespace`.
+    fn objects_of_any(
+        &self,
+        resources: &[&ResourceDescriptor],
+        namespace: &str,
+    ) -> SelectStatement {
+        let keys: Vec<String> = resources.iter().map(|r| Store::resource_key(r)).collect();
         let mut q = Query::select();
         q.from_as(Objects::Table, o())
             .and_where(Expr::col((o(), Objects::ClusterId)).eq(self.cluster_id()))
-            .and_where(Expr::col((o(), Objects::Resource)).eq(Store::resource_key(resource)))
+            .and_where(Expr::col((o(), Objects::Resource)).is_in(keys))
             .and_where(Expr::col((o(), Objects::Namespace)).eq(namespace));
         q
     }
@@ -197,7 +210,7 @@ impl Store {
         let subject = Alias::new("subject");
         let mut of_ephemerals = self.ephemerals_of(q);
         of_ephemerals.expr_as(ephemeral_subject(self.backend()), subject.clone());
-        let mut of_reports = self.objects_of(q.reports, q.namespace);
+        let mut of_reports = self.objects_of_any(q.reports, q.namespace);
         of_reports
             .expr_as(Expr::col((o(), Objects::ScopeUid)), subject.clone())
             .and_where(managed(q.labels));
@@ -213,7 +226,7 @@ impl Store {
         outer
     }
 
-    /// Reports of the written kind scoped to a subject of the page, unmanaged ones named like
+    /// Reports of the read kinds scoped to a subject of the page, unmanaged ones named like
     /// one (name collisions), and on the first page every report without a scope.
     fn reports_statement(
         &self,
@@ -231,7 +244,7 @@ impl Store {
         if first_page {
             wanted = wanted.add(scope.clone().is_null()).add(scope.eq(""));
         }
-        let mut s = self.objects_of(q.reports, q.namespace);
+        let mut s = self.objects_of_any(q.reports, q.namespace);
         s.column((o(), Objects::Body))
             .cond_where(wanted)
             .order_by((o(), Objects::Name), Order::Asc);
