@@ -18,6 +18,7 @@ pub mod patroni;
 pub mod postgres;
 pub mod server;
 pub mod service_net;
+pub mod tools;
 
 use std::path::Path;
 

@@ -18,7 +18,7 @@
 //! Needs what the control plane needs (Go, kubectl, openssl) plus the tools of
 //! `tests/tools/build.sh` (helm, kstatus); a missing one fails with what to install.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -28,25 +28,17 @@ use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
 use kube::Api;
 use reports_server_tests::{
     controlplane::{
-        ControlPlane, ControlPlaneOptions, KubeconfigAuth, run_cache_build_script,
-        spawn_tied_to_test, workspace_root,
+        ControlPlane, ControlPlaneOptions, KubeconfigAuth, spawn_tied_to_test, workspace_root,
     },
     delegated::{self, API_SERVICES, Server},
     kubectl::Kubectl,
     operator::{self, NS, condition, manifest, rs_json, yaml_docs},
     server,
+    tools::tool,
 };
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-/// Builds (or finds cached) one of the tools of `tests/tools/build.sh` (`helm`, `kstatus`,
-/// `argocd`) through the harness' runner for cached Go build scripts.
-async fn tool(name: &str) -> Result<PathBuf> {
-    let path = run_cache_build_script(&format!("tests/tools/{name}.sh"), name).await?;
-    ensure!(path.is_file(), "{} was not built", path.display());
-    Ok(path)
-}
 
 /// `kubectl apply --dry-run=server` of a YAML stream; the error says which rendering failed.
 fn dry_run(admin: &Kubectl, what: &str, yaml: &str) -> Result<()> {
