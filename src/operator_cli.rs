@@ -34,7 +34,9 @@ pub struct OperatorArgs {
     /// Who chooses the user and group ids of the server and PostgreSQL pods: `fixed` (the
     /// images' users, 65532 and 999, also as fsGroup so new volumes are writable), `platform`
     /// (none set: OpenShift's restricted SCC assigns them from the namespace's range and refuses
-    /// others), or `auto` (`platform` when the cluster serves `security.openshift.io`).
+    /// others), or `auto` (`platform` when --watch-namespace carries OpenShift's
+    /// `openshift.io/sa.scc.uid-range` annotation; without --watch-namespace, when the cluster
+    /// serves `security.openshift.io`).
     #[arg(
         long,
         env = "REPORTS_SERVER_OPERATOR_POD_IDS",
@@ -137,31 +139,61 @@ pub enum PodIdsArg {
     Platform,
 }
 
-/// The API group whose presence means the platform assigns pod user ids (OpenShift's SCCs).
+/// The annotation OpenShift puts on every namespace: the user-id range its restricted SCC
+/// assigns pods from (and refuses any other).
+const OPENSHIFT_UID_RANGE: &str = "openshift.io/sa.scc.uid-range";
+/// The API group of OpenShift's SCCs: the sign when the operator watches every namespace.
 const OPENSHIFT_SECURITY_GROUP: &str = "security.openshift.io";
 
-async fn resolve_pod_ids(client: &kube::Client, arg: PodIdsArg) -> anyhow::Result<PodIds> {
+/// `--pod-ids auto`: `platform` where OpenShift assigns ids. The namespace annotation is the
+/// precise sign (an SCC CRD installed on plain Kubernetes by some bundle serves the group too,
+/// and `platform` there would leave a root image without a user and a new volume unwritable);
+/// the API group only when the operator watches every namespace or may not read its own.
+async fn resolve_pod_ids(
+    client: &kube::Client,
+    arg: PodIdsArg,
+    namespace: Option<&str>,
+) -> anyhow::Result<PodIds> {
+    let platform = |yes: bool| if yes { PodIds::Platform } else { PodIds::Fixed };
     let ids = match arg {
         PodIdsArg::Fixed => PodIds::Fixed,
         PodIdsArg::Platform => PodIds::Platform,
-        PodIdsArg::Auto => {
-            let groups = client.list_api_groups().await.context(
-                "cannot list the cluster's API groups to choose --pod-ids (set --pod-ids fixed \
-                 or platform to skip the check)",
-            )?;
-            if groups
-                .groups
-                .iter()
-                .any(|g| g.name == OPENSHIFT_SECURITY_GROUP)
-            {
-                PodIds::Platform
-            } else {
-                PodIds::Fixed
+        PodIdsArg::Auto => match namespace_assigns_ids(client, namespace).await {
+            Some(yes) => platform(yes),
+            None => {
+                let groups = client.list_api_groups().await.context(
+                    "cannot list the cluster's API groups to choose --pod-ids (set --pod-ids \
+                     fixed or platform to skip the check)",
+                )?;
+                platform(
+                    groups
+                        .groups
+                        .iter()
+                        .any(|g| g.name == OPENSHIFT_SECURITY_GROUP),
+                )
             }
-        }
+        },
     };
     tracing::info!(pod_ids = ?ids, "pod user and group ids");
     Ok(ids)
+}
+
+/// Whether `namespace` carries OpenShift's uid range; `None` when there is no namespace to ask
+/// or it cannot be read.
+async fn namespace_assigns_ids(client: &kube::Client, namespace: Option<&str>) -> Option<bool> {
+    let namespace = namespace?;
+    let api: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client.clone());
+    match api.get(namespace).await {
+        Ok(ns) => Some(
+            ns.metadata
+                .annotations
+                .is_some_and(|a| a.contains_key(OPENSHIFT_UID_RANGE)),
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, namespace, "cannot read the operator's namespace to choose --pod-ids; deciding by the API groups");
+            None
+        }
+    }
 }
 
 pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
@@ -172,7 +204,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
         .pod_name
         .clone()
         .unwrap_or_else(lease::default_identity);
-    let pod_ids = resolve_pod_ids(&client, args.pod_ids).await?;
+    let pod_ids = resolve_pod_ids(&client, args.pod_ids, args.watch_namespace.as_deref()).await?;
     let options = RunOptions {
         config: OperatorConfig {
             pod_ids,

@@ -137,6 +137,11 @@ impl OutputFormat {
         }
     }
 
+    /// The namespaced and the cluster-scoped kind of final report.
+    pub fn final_kinds(self) -> [ReportKind; 2] {
+        [self.kind_for("namespace"), self.kind_for("")]
+    }
+
     /// The kind of final report for `namespace` (`""` = cluster scope).
     pub fn kind_for(self, namespace: &str) -> ReportKind {
         match (self, namespace.is_empty()) {
@@ -739,11 +744,25 @@ fn plan_writes(
         }
     }
     for ((kind, name), report) in &stored.managed {
-        if !(*kind == output_kind && desired.contains_key(*name)) {
+        let superseded = !(*kind == output_kind && desired.contains_key(*name));
+        // A report whose results could not be written (their new report's name is taken) is
+        // the only copy of them: it stays until the conflict is resolved.
+        if superseded && !subjects_of(report).any(|uid| blocked.contains(uid)) {
             plan.deletes.push(report.key());
         }
     }
     blocked
+}
+
+/// The subjects whose results a stored report holds: its scope's, or each result's first
+/// resource (per-policy reports).
+fn subjects_of(report: &FinalReport) -> impl Iterator<Item = &str> {
+    let scope = report.scope().and_then(|s| non_empty(s.uid.as_deref()));
+    let per_result = report
+        .results()
+        .iter()
+        .filter_map(|r| r.resources.as_ref()?.first()?.uid.as_deref());
+    scope.into_iter().chain(per_result)
 }
 
 fn desired_per_resource(acc: &mut Accumulator<'_>) -> BTreeMap<String, Desired> {
@@ -1069,6 +1088,74 @@ mod tests {
         );
         assert!(plan.is_empty(), "{plan:?}");
         assert_eq!(plan.conflicts.len(), 1);
+    }
+
+    /// After a switch of the output group, the old group's copy is the only place its results
+    /// live while the new report's name is taken by someone else's report: it is not deleted.
+    #[test]
+    fn a_blocked_subject_keeps_its_other_group_copy() {
+        let s = Subject::pod("ns", 1);
+        let mut old_copy = FinalReport::PolicyReport(PolicyReport {
+            metadata: ObjectMeta {
+                name: Some(s.uid.clone()),
+                namespace: Some("ns".into()),
+                labels: Some(managed_labels()),
+                resource_version: Some("5".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        old_copy.set_scope(Some(ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(s.name.clone()),
+            namespace: Some("ns".into()),
+            uid: Some(s.uid.clone()),
+            ..Default::default()
+        }));
+        old_copy.set_results(eph(&s, 1, &[]).results().to_vec());
+        let foreign = FinalReport::new(
+            ReportKind::Report,
+            ObjectMeta {
+                name: Some(s.uid.clone()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+        );
+        let reports = vec![old_copy, foreign];
+        let options = MergeOptions {
+            output: OutputFormat::Openreports,
+            ..Default::default()
+        };
+        let plan = merge_namespace(
+            &MergeInput {
+                namespace: "ns",
+                reports: &reports,
+                ephemerals: &[],
+                policies: None,
+            },
+            &options,
+        );
+        assert_eq!(plan.conflicts.len(), 1, "{plan:?}");
+        assert!(
+            plan.is_empty(),
+            "the only copy of the results was touched: {plan:?}"
+        );
+
+        // Without the foreign report the copy moves: created in the new group, deleted in the old.
+        let plan = merge_namespace(
+            &MergeInput {
+                namespace: "ns",
+                reports: &reports[..1],
+                ephemerals: &[],
+                policies: None,
+            },
+            &options,
+        );
+        assert_eq!(plan.creates.len(), 1, "{plan:?}");
+        assert_eq!(plan.creates[0].kind(), ReportKind::Report);
+        assert_eq!(plan.creates[0].results().len(), reports[0].results().len());
+        assert_eq!(plan.deletes, vec![reports[0].key()]);
     }
 
     #[test]

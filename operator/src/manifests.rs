@@ -276,7 +276,8 @@ podSecurityContext:
 {}securityContext:
 {}# Who chooses the user and group ids of the server and PostgreSQL pods the operator creates:
 # fixed (the images' users, also as fsGroup), platform (none: OpenShift's restricted SCC assigns
-# them), auto (platform when the cluster serves security.openshift.io).
+# them), auto (platform when the release namespace carries OpenShift's
+# openshift.io/sa.scc.uid-range annotation).
 podIds: auto
 # NetworkPolicies (ingress only) for the pods of this release's namespace: servers accept their
 # HTTPS port only (kube-apiserver, the operator's checks, Prometheus), the operator's PostgreSQL
@@ -286,6 +287,7 @@ networkPolicy:
   enabled: false
   # Who may reach the servers' port (NetworkPolicyPeers). Empty: any source, because
   # kube-apiserver's address depends on the platform; e.g. [{{ipBlock: {{cidr: 10.0.0.0/24}}}}].
+  # Keep kube-apiserver, the operator (its database checks) and Prometheus among them.
   serverFrom: []
   # Who may scrape the operator's metrics (NetworkPolicyPeers). Empty: any source.
   metricsFrom: []
@@ -571,9 +573,9 @@ This chart is generated (`operator/src/manifests.rs`) from the same code as
 | `nodeSelector`, `tolerations`, `affinity`, `topologySpreadConstraints` | none | of the operator's pods (servers: the same fields of the ReportsServer spec) |
 | `priorityClassName` | none | `system-cluster-critical` is admitted outside kube-system only with a ResourceQuota allowing it |
 | `podSecurityContext`, `securityContext` | non-root, RuntimeDefault seccomp, read-only root, no capabilities, no fixed UID | of the operator pod and container |
-| `podIds` | `auto` | user and group ids of the server and PostgreSQL pods: `fixed` (65532 / 999, also as `fsGroup`), `platform` (none set; OpenShift's restricted SCC assigns them), `auto` (`platform` where `security.openshift.io` is served) |
+| `podIds` | `auto` | user and group ids of the server and PostgreSQL pods: `fixed` (65532 / 999, also as `fsGroup`), `platform` (none set; OpenShift's restricted SCC assigns them), `auto` (`platform` where the release namespace carries OpenShift's `openshift.io/sa.scc.uid-range` annotation) |
 | `networkPolicy.enabled` | `false` | ingress NetworkPolicies: servers accept their HTTPS port only, the operator's PostgreSQL the servers only, the operator its metrics port only |
-| `networkPolicy.serverFrom`, `networkPolicy.metricsFrom` | `[]` (any source) | NetworkPolicyPeers allowed to the servers' port and the operator's metrics; kube-apiserver must stay among the servers' |
+| `networkPolicy.serverFrom`, `networkPolicy.metricsFrom` | `[]` (any source) | NetworkPolicyPeers allowed to the servers' port and the operator's metrics; the servers' must keep kube-apiserver (the aggregation layer), the operator (its database checks call the servers) and Prometheus if it scrapes them |
 | `extraArgs` | `[]` | operator flags, e.g. `--allowed-server-images=ghcr.io/acme/reports-server` |
 
 `values.schema.json` refuses values of the wrong shape.

@@ -3,7 +3,11 @@
 //! * **A** — Kyverno's reports controller aggregates (`--aggregateReports=true`); reports-server
 //!   only stores (`serve --aggregation=false`);
 //! * **B** — Kyverno writes ephemeral reports only (`--aggregateReports=false`); reports-server
-//!   aggregates in-process (`serve --aggregation=true --aggregation-delay 2s`).
+//!   aggregates in-process (`serve --aggregation=true --aggregation-delay 2s`);
+//!
+//! each once with the reports in `wgpolicyk8s.io` and once in `openreports.io` (Kyverno's
+//! `--openreportsEnabled=true`; in B also `serve --aggregation-output openreports`): four runs.
+//! Mode B also runs the CEL policy kinds of `policies.kyverno.io`.
 //!
 //! Each mode gets one control plane (etcd, kube-apiserver, kube-controller-manager), one
 //! `reports-server serve --auth-mode delegated` behind the APIServices, and one Kyverno (admission,
@@ -11,8 +15,9 @@
 //! the scenarios of that mode. Every scenario asserts the exact PolicyReport content read
 //! through kube-apiserver (results: policy, rule, result, source, scored, category, severity,
 //! properties; summary; scope; ownerReference; labels). A scenario that fails is recorded and the
-//! next one runs; the test fails at the end with the list. Then the reports the two modes
-//! produced are compared (UIDs, timestamps and server bookkeeping normalised away), and a
+//! next one runs; the test fails at the end with the list. Then the reports of A and B, of A in
+//! both groups and of B in both groups are compared (UIDs, timestamps and server bookkeeping
+//! normalised away; openreports mapped onto wgpolicy by [`openreports_as_wgpolicy`]), and a
 //! background scan of many Pods prints how long it took and the server's peak memory (figures
 //! only, nothing timed is asserted).
 //!
@@ -68,45 +73,129 @@ const PAUSE: &str = "registry.k8s.io/pause:3.10";
 
 // ---- modes -------------------------------------------------------------------------------------
 
+/// Who merges Kyverno's ephemeral reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
+enum Merger {
     /// A: Kyverno's reports controller aggregates; our server only stores.
-    KyvernoAggregates,
+    Kyverno,
     /// B: Kyverno runs `--aggregateReports=false`; our server aggregates in-process.
-    ServerAggregates,
+    Server,
+}
+
+/// The API group of the final reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Group {
+    /// `wgpolicyk8s.io/v1alpha2` PolicyReport / ClusterPolicyReport.
+    Wgpolicy,
+    /// `openreports.io/v1alpha1` Report / ClusterReport: Kyverno's `--openreportsEnabled` (A),
+    /// our `--aggregation-output openreports` (B).
+    Openreports,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Mode {
+    merger: Merger,
+    group: Group,
 }
 
 impl Mode {
-    fn short(self) -> &'static str {
-        match self {
-            Mode::KyvernoAggregates => "A",
-            Mode::ServerAggregates => "B",
+    const A: Mode = Mode {
+        merger: Merger::Kyverno,
+        group: Group::Wgpolicy,
+    };
+    const B: Mode = Mode {
+        merger: Merger::Server,
+        group: Group::Wgpolicy,
+    };
+
+    fn in_openreports(self) -> Mode {
+        Mode {
+            group: Group::Openreports,
+            ..self
         }
     }
 
-    fn describe(self) -> &'static str {
-        match self {
-            Mode::KyvernoAggregates => {
+    fn short(self) -> &'static str {
+        match (self.merger, self.group) {
+            (Merger::Kyverno, Group::Wgpolicy) => "A",
+            (Merger::Server, Group::Wgpolicy) => "B",
+            (Merger::Kyverno, Group::Openreports) => "A/openreports",
+            (Merger::Server, Group::Openreports) => "B/openreports",
+        }
+    }
+
+    fn describe(self) -> String {
+        let merger = match self.merger {
+            Merger::Kyverno => {
                 "A: Kyverno aggregates (--aggregateReports=true), reports-server --aggregation=false"
             }
-            Mode::ServerAggregates => {
+            Merger::Server => {
                 "B: reports-server aggregates (--aggregation=true --aggregation-delay 2s), Kyverno --aggregateReports=false"
             }
+        };
+        match self.group {
+            Group::Wgpolicy => merger.to_string(),
+            Group::Openreports => format!(
+                "{merger}; reports in openreports.io (Kyverno --openreportsEnabled=true{})",
+                if self.merger == Merger::Server {
+                    ", reports-server --aggregation-output openreports"
+                } else {
+                    ""
+                }
+            ),
         }
     }
 
-    fn server_args(self) -> &'static [&'static str] {
-        match self {
-            Mode::KyvernoAggregates => &["--aggregation=false"],
-            Mode::ServerAggregates => &["--aggregation=true", "--aggregation-delay", "2s"],
+    fn server_args(self) -> Vec<&'static str> {
+        let mut args = match self.merger {
+            Merger::Kyverno => vec!["--aggregation=false"],
+            Merger::Server => vec!["--aggregation=true", "--aggregation-delay", "2s"],
+        };
+        if self == (Mode::B.in_openreports()) {
+            args.extend(["--aggregation-output", "openreports"]);
         }
+        args
     }
 
     fn kyverno_options(self) -> KyvernoOptions {
         KyvernoOptions {
-            aggregate_reports: self == Mode::KyvernoAggregates,
+            aggregate_reports: self.merger == Merger::Kyverno,
             background_scan_interval: Duration::from_secs(60),
+            // Only the reports controller (and the chart's init container) knows the flag.
+            extra_reports_args: match self.group {
+                Group::Wgpolicy => Vec::new(),
+                Group::Openreports => vec!["--openreportsEnabled=true".into()],
+            },
             ..KyvernoOptions::default()
+        }
+    }
+
+    /// The namespaced and the cluster-scoped final report kinds.
+    fn report_resources(self) -> (ApiResource, ApiResource) {
+        match self.group {
+            Group::Wgpolicy => (
+                ar(
+                    "wgpolicyk8s.io",
+                    "v1alpha2",
+                    "PolicyReport",
+                    "policyreports",
+                ),
+                ar(
+                    "wgpolicyk8s.io",
+                    "v1alpha2",
+                    "ClusterPolicyReport",
+                    "clusterpolicyreports",
+                ),
+            ),
+            Group::Openreports => (
+                ar("openreports.io", "v1alpha1", "Report", "reports"),
+                ar(
+                    "openreports.io",
+                    "v1alpha1",
+                    "ClusterReport",
+                    "clusterreports",
+                ),
+            ),
         }
     }
 }
@@ -115,24 +204,6 @@ impl Mode {
 
 fn ar(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
-}
-
-fn polr_resource() -> ApiResource {
-    ar(
-        "wgpolicyk8s.io",
-        "v1alpha2",
-        "PolicyReport",
-        "policyreports",
-    )
-}
-
-fn cpolr_resource() -> ApiResource {
-    ar(
-        "wgpolicyk8s.io",
-        "v1alpha2",
-        "ClusterPolicyReport",
-        "clusterpolicyreports",
-    )
 }
 
 fn ephr_resource() -> ApiResource {
@@ -350,7 +421,28 @@ fn normalise(report: &Value, subject_uid: &str) -> Value {
             }
         }
     }
+    openreports_as_wgpolicy(&mut r);
     r
+}
+
+/// The documented mapping (docs/kyverno.md "openreports.io"): a Report / ClusterReport is the
+/// PolicyReport / ClusterPolicyReport of the same name with the group renamed and, where the
+/// writer sets it, a top-level `source: kyverno`; everything else is equal.
+fn openreports_as_wgpolicy(report: &mut Value) {
+    if report["apiVersion"] != "openreports.io/v1alpha1" {
+        return;
+    }
+    report["apiVersion"] = json!("wgpolicyk8s.io/v1alpha2");
+    let kind = match report["kind"].as_str() {
+        Some("ClusterReport") => "ClusterPolicyReport",
+        _ => "PolicyReport",
+    };
+    report["kind"] = json!(kind);
+    if let Some(o) = report.as_object_mut()
+        && o.get("source").is_some_and(|s| s == "kyverno")
+    {
+        o.remove("source");
+    }
 }
 
 // ---- the environment of one mode ---------------------------------------------------------------
@@ -391,7 +483,7 @@ impl Env {
             .await
             .context("starting the e2e control plane (see docs/e2e.md)")?;
         let server =
-            Server::start_with(&cp, &cp.dir().join("reports-server"), mode.server_args()).await?;
+            Server::start_with(&cp, &cp.dir().join("reports-server"), &mode.server_args()).await?;
         let admin = Kubectl::new(cp.kubeconfig_path());
         let client = cp.client().await?;
         delegated::register_apiservices(&cp, &server, &admin, &client).await?;
@@ -475,15 +567,15 @@ impl Env {
     }
 
     fn polr(&self, ns: &str) -> Api<DynamicObject> {
-        Api::namespaced_with(self.client.clone(), ns, &polr_resource())
+        Api::namespaced_with(self.client.clone(), ns, &self.mode.report_resources().0)
     }
 
     fn polr_all(&self) -> Api<DynamicObject> {
-        Api::all_with(self.client.clone(), &polr_resource())
+        Api::all_with(self.client.clone(), &self.mode.report_resources().0)
     }
 
     fn cpolr(&self) -> Api<DynamicObject> {
-        Api::all_with(self.client.clone(), &cpolr_resource())
+        Api::all_with(self.client.clone(), &self.mode.report_resources().1)
     }
 
     fn ephr(&self, ns: &str) -> Api<DynamicObject> {
@@ -1421,14 +1513,31 @@ async fn expect_cel_results(
     }
 }
 
-/// ValidatingPolicy, MutatingPolicy and GeneratingPolicy, cluster-scoped and namespaced: each
-/// reports on the Pods it matches (results named `<name>` or `<namespace>/<name>`, rule-less
-/// except for generation); a policy labelled `reports.kyverno.io/disabled` reports nothing;
-/// deleting the six drops their results from the reports, the kept policy's stay.
-async fn s_cel_policies(env: &mut Env) -> Result<()> {
-    for ns in [NS_CEL, NS_CEL_NAMESPACED] {
-        env.create_namespace(ns, json!({})).await?;
-    }
+/// The CEL policies the scenario deletes: `(plural, namespace, name)`.
+const CEL_DELETED: [(&str, &str, &str); 6] = [
+    ("validatingpolicies", "", "e2e-vpol-team"),
+    ("mutatingpolicies", "", "e2e-mpol-label"),
+    ("generatingpolicies", "", "e2e-gpol-cm"),
+    (
+        "namespacedvalidatingpolicies",
+        NS_CEL_NAMESPACED,
+        "e2e-nvpol-team",
+    ),
+    (
+        "namespacedmutatingpolicies",
+        NS_CEL_NAMESPACED,
+        "e2e-nmpol-label",
+    ),
+    (
+        "namespacedgeneratingpolicies",
+        NS_CEL_NAMESPACED,
+        "e2e-ngpol-cm",
+    ),
+];
+
+/// The kept, the disabled and the six deleted CEL policies.
+fn cel_policies() -> Vec<Value> {
+    let nsd = NS_CEL_NAMESPACED;
     let mut disabled = cel_policy(
         "ValidatingPolicy",
         CEL_DISABLED,
@@ -1436,16 +1545,7 @@ async fn s_cel_policies(env: &mut Env) -> Result<()> {
         requires_label(&[NS_CEL], "disabled-check"),
     );
     disabled["metadata"]["labels"] = json!({"reports.kyverno.io/disabled": "true"});
-    let nsd = NS_CEL_NAMESPACED;
-    let deleted = [
-        ("validatingpolicies", "", "e2e-vpol-team"),
-        ("mutatingpolicies", "", "e2e-mpol-label"),
-        ("generatingpolicies", "", "e2e-gpol-cm"),
-        ("namespacedvalidatingpolicies", nsd, "e2e-nvpol-team"),
-        ("namespacedmutatingpolicies", nsd, "e2e-nmpol-label"),
-        ("namespacedgeneratingpolicies", nsd, "e2e-ngpol-cm"),
-    ];
-    let policies = vec![
+    vec![
         cel_policy(
             "ValidatingPolicy",
             CEL_KEEP,
@@ -1489,16 +1589,43 @@ async fn s_cel_policies(env: &mut Env) -> Result<()> {
             nsd,
             generates_config_map(&[], "e2e-ngpol", true),
         ),
-    ];
-    env.apply(&json!({"apiVersion": "v1", "kind": "List", "items": policies}))?;
+    ]
+}
+
+async fn install_cel_policies(env: &mut Env) -> Result<()> {
+    for ns in [NS_CEL, NS_CEL_NAMESPACED] {
+        env.create_namespace(ns, json!({})).await?;
+    }
+    env.apply(&json!({"apiVersion": "v1", "kind": "List", "items": cel_policies()}))?;
     let mut ready: Vec<(&str, &str, &str)> = vec![("validatingpolicies", "", CEL_KEEP)];
-    ready.extend(deleted);
+    ready.extend(CEL_DELETED);
     let took = env.kyverno.wait_cel_policies_ready(&ready).await?;
     eprintln!(
         "[kyverno-e2e] mode {}: CEL policies ready in {took:.1?}",
         env.mode.short()
     );
+    Ok(())
+}
 
+async fn delete_cel_policies(env: &Env) -> Result<()> {
+    for (plural, ns, name) in CEL_DELETED {
+        let object = format!("{plural}.policies.kyverno.io");
+        let mut args = vec!["delete", object.as_str(), name, "--wait=true"];
+        if !ns.is_empty() {
+            args.extend(["-n", ns]);
+        }
+        env.admin.run(&args)?;
+    }
+    Ok(())
+}
+
+/// ValidatingPolicy, MutatingPolicy and GeneratingPolicy, cluster-scoped and namespaced: each
+/// reports on the Pods it matches (results named `<name>` or `<namespace>/<name>`, rule-less
+/// except for generation); a policy labelled `reports.kyverno.io/disabled` reports nothing;
+/// deleting the six drops their results from the reports, the kept policy's stay.
+async fn s_cel_policies(env: &mut Env) -> Result<()> {
+    install_cel_policies(env).await?;
+    let nsd = NS_CEL_NAMESPACED;
     let cluster_pod = Subject::pod(&env.create_pod(NS_CEL, pod("cel", json!({}), PAUSE)).await?);
     let namespaced_pod = Subject::pod(&env.create_pod(nsd, pod("cel-ns", json!({}), PAUSE)).await?);
     for (ns, name) in [(NS_CEL, "cel"), (nsd, "cel-ns")] {
@@ -1549,15 +1676,7 @@ async fn s_cel_policies(env: &mut Env) -> Result<()> {
         env.mode.short()
     );
 
-    for (plural, ns, name) in deleted {
-        let mut args = vec!["delete", plural, name, "--wait=true"];
-        if !ns.is_empty() {
-            args.extend(["-n", ns]);
-        }
-        let object = format!("{plural}.policies.kyverno.io");
-        args[1] = &object;
-        env.admin.run(&args)?;
-    }
+    delete_cel_policies(env).await?;
     let t = Instant::now();
     expect_cel_results(env, &cluster_pod, &[keep]).await?;
     expect_cel_results(env, &namespaced_pod, &[keep]).await?;
@@ -1892,7 +2011,7 @@ async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
             "deleting ClusterPolicies drops results",
             s_delete_policy
         );
-        if env.mode == Mode::ServerAggregates {
+        if env.mode.merger == Merger::Server {
             scenario!(
                 env,
                 outcomes,
@@ -1914,13 +2033,19 @@ async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
             s_reports_controller_restart
         );
     }
-    let t = Instant::now();
-    let figures = s_figures(&mut env, pods).await;
-    outcomes.push(Outcome {
-        name: "figures: background scan of many Pods",
-        error: figures.as_ref().err().map(|e| format!("{e:#}")),
-        took: t.elapsed(),
-    });
+    // The figures measure the merge, not the group it writes: once per merger is enough.
+    let figures = if mode.group == Group::Wgpolicy {
+        let t = Instant::now();
+        let figures = s_figures(&mut env, pods).await;
+        outcomes.push(Outcome {
+            name: "figures: background scan of many Pods",
+            error: figures.as_ref().err().map(|e| format!("{e:#}")),
+            took: t.elapsed(),
+        });
+        figures.ok()
+    } else {
+        None
+    };
     // Bug-1 regression over the whole run: no watch error in any Kyverno log.
     let errors = env.kyverno.watch_errors(&Controller::ALL, false);
     outcomes.push(Outcome {
@@ -1944,7 +2069,7 @@ async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
         started_in: env.started_in,
         outcomes,
         snapshots: std::mem::take(&mut env.snapshots),
-        figures: figures.ok(),
+        figures,
     };
     if std::env::var_os("REPORTS_SERVER_KEEP_E2E").is_some() {
         eprintln!("[kyverno-e2e] logs kept in {}", env.cp.dir().display());
@@ -1990,16 +2115,28 @@ async fn e2e_kyverno_both_aggregation_modes() -> Result<()> {
     let _serial = SERIAL.lock().await;
     let t0 = Instant::now();
     let pods = pods_for_figures();
-    let a = run_mode(Mode::KyvernoAggregates, pods).await?;
-    let b = run_mode(Mode::ServerAggregates, pods).await?;
-    let diffs = compare_modes(&a, &b);
+    let mut runs = Vec::new();
+    for mode in [
+        Mode::A,
+        Mode::B,
+        Mode::A.in_openreports(),
+        Mode::B.in_openreports(),
+    ] {
+        runs.push(run_mode(mode, pods).await?);
+    }
+    // The two mergers against each other, and each group against the other (modulo the
+    // documented mapping, `openreports_as_wgpolicy`).
+    let comparisons: Vec<(usize, usize, Vec<String>)> = [(0, 1), (0, 2), (1, 3)]
+        .into_iter()
+        .map(|(x, y)| (x, y, compare_modes(&runs[x], &runs[y])))
+        .collect();
 
     let mut table = String::new();
     writeln!(
         table,
         "\n[kyverno-e2e] ===== summary (Kyverno {KYVERNO_VERSION}) ====="
     )?;
-    for run in [&a, &b] {
+    for run in &runs {
         writeln!(
             table,
             "mode {} (ready in {:.1?})",
@@ -2019,29 +2156,37 @@ async fn e2e_kyverno_both_aggregation_modes() -> Result<()> {
             writeln!(table, "  figures: {f}")?;
         }
     }
-    writeln!(
-        table,
-        "modes compared: {} reports in A, {} in B, {} differences",
-        a.snapshots.len(),
-        b.snapshots.len(),
-        diffs.len()
-    )?;
+    for (x, y, diffs) in &comparisons {
+        writeln!(
+            table,
+            "compared: {} reports in {}, {} in {}, {} differences",
+            runs[*x].snapshots.len(),
+            runs[*x].mode.short(),
+            runs[*y].snapshots.len(),
+            runs[*y].mode.short(),
+            diffs.len()
+        )?;
+    }
     writeln!(table, "total {:.1?}", t0.elapsed())?;
     eprintln!("{table}");
 
     let mut failures = Vec::new();
-    for run in [&a, &b] {
+    for run in &runs {
         for o in &run.outcomes {
             if let Some(e) = &o.error {
                 failures.push(format!("mode {} / {}: {e}", run.mode.short(), o.name));
             }
         }
     }
-    if !diffs.is_empty() {
-        failures.push(format!(
-            "the modes produced different reports:\n{}",
-            diffs.join("\n")
-        ));
+    for (x, y, diffs) in &comparisons {
+        if !diffs.is_empty() {
+            failures.push(format!(
+                "modes {} and {} produced different reports:\n{}",
+                runs[*x].mode.short(),
+                runs[*y].mode.short(),
+                diffs.join("\n")
+            ));
+        }
     }
     if !failures.is_empty() {
         bail!(

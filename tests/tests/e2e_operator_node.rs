@@ -125,19 +125,7 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
         "[e2e_operator_node] operator ({operator_image}) Available in {:.1?}",
         t.elapsed()
     );
-    // Every pod below (servers, the managed PostgreSQL, the test's own database) is admitted
-    // under the restricted Pod Security Standard install.yaml enforces on the namespace.
-    let enforce = kubectl.run(&[
-        "get",
-        "namespace",
-        NS,
-        "-o",
-        "jsonpath={.metadata.labels.pod-security\\.kubernetes\\.io/enforce}",
-    ])?;
-    ensure!(
-        enforce.trim() == "restricted",
-        "namespace {NS} does not enforce the restricted Pod Security Standard: {enforce:?}"
-    );
+    enforces_restricted(&kubectl)?;
     create_volumes(&kubectl, run, 3)?;
 
     // ---- 2. sqlite ----------------------------------------------------------------------------
@@ -310,6 +298,23 @@ async fn modes(node: &Node, run: &RunDir) -> Result<()> {
         "postgres.external: the reports read back differ"
     );
     delete_installation(&kubectl, &rs, &written).await?;
+    Ok(())
+}
+
+/// Every pod of the run (servers, the managed PostgreSQL, the test's own database) is admitted
+/// under the restricted Pod Security Standard that install.yaml enforces on the namespace.
+fn enforces_restricted(kubectl: &Kubectl) -> Result<()> {
+    let enforce = kubectl.run(&[
+        "get",
+        "namespace",
+        NS,
+        "-o",
+        "jsonpath={.metadata.labels.pod-security\\.kubernetes\\.io/enforce}",
+    ])?;
+    ensure!(
+        enforce.trim() == "restricted",
+        "namespace {NS} does not enforce the restricted Pod Security Standard: {enforce:?}"
+    );
     Ok(())
 }
 

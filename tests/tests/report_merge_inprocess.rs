@@ -19,7 +19,8 @@ use reports_server_apiserver::report_merge::{InProcessMerger, StoreBackend};
 use reports_server_apiserver::store::feed::read_changes;
 use reports_server_apiserver::store::{ListQuery, Mutation, Store, StoreError, StoreOptions};
 use reports_server_crds::catalog::{
-    CLUSTER_EPHEMERAL_REPORT, CLUSTER_POLICY_REPORT, EPHEMERAL_REPORT, POLICY_REPORT, REPORT,
+    CLUSTER_EPHEMERAL_REPORT, CLUSTER_POLICY_REPORT, CLUSTER_REPORT, EPHEMERAL_REPORT,
+    POLICY_REPORT, REPORT,
 };
 use reports_server_crds::fixtures::{PSS_RULES, Subject, pss_ephemeral_report};
 use reports_server_crds::{EphemeralReport, PolicyReport, ResourceDescriptor};
@@ -527,6 +528,20 @@ async fn in_process_runner_follows_the_change_feed() {
     }
 }
 
+/// A background-scan ClusterEphemeralReport for the Namespace `name`.
+async fn put_cluster_ephemeral(store: &Store, name: &str, uid: &str, failing: &[usize]) {
+    let subject = Subject {
+        namespace: String::new(),
+        name: name.into(),
+        uid: uid.into(),
+    };
+    let mut eph = serde_json::to_value(pss_ephemeral_report(&subject, T0, failing)).unwrap();
+    eph["kind"] = json!("ClusterEphemeralReport");
+    eph["metadata"].as_object_mut().unwrap().remove("namespace");
+    eph["metadata"]["ownerReferences"][0]["kind"] = json!("Namespace");
+    put(store, &CLUSTER_EPHEMERAL_REPORT, eph).await;
+}
+
 /// Runs the in-process merger with `output` until `done` holds (or fails after 20 s).
 async fn run_merger_until(
     store: &Store,
@@ -562,9 +577,10 @@ async fn managed_results(
 }
 
 /// Switching the output group (`--aggregation-output`, as when Kyverno's reports move to
-/// openreports.io) moves every report the merge wrote into the new group and deletes the old
-/// copy in the same transaction, found by the sweep a new term starts with (no new ephemeral
-/// report needed), and back again; a report the merge did not write is never touched.
+/// openreports.io) moves every report the merge wrote, namespaced and cluster-scoped, into the
+/// new group and deletes the old copy in the same transaction, found by the sweep a new term
+/// starts with (no new ephemeral report needed), and back again; a report the merge did not
+/// write is never touched.
 #[tokio::test]
 async fn output_group_switch_moves_reports_both_ways() {
     // Not yet on MariaDB: the merge code (report_merge.rs) is being reworked; run it there after.
@@ -580,18 +596,27 @@ async fn output_group_switch_moves_reports_both_ways() {
                          "labels": {"app.kubernetes.io/managed-by": "trivy-operator"}},
             "results": [{"policy": "CVE-2024-0001", "result": "fail", "source": "trivy"}]});
         put(&store, &POLICY_REPORT, foreign.clone()).await;
+        put_cluster_ephemeral(
+            &store,
+            "switch",
+            "0000aaaa-0000-4000-8000-00000000000b",
+            &[2],
+        )
+        .await;
 
+        // Namespaced reports of "switch" and the cluster-scoped ones, in each group.
         let groups = async || {
-            (
-                managed_results(&store, &POLICY_REPORT, "switch").await,
-                managed_results(&store, &REPORT, "switch").await,
-            )
+            let mut wgpolicy = managed_results(&store, &POLICY_REPORT, "switch").await;
+            wgpolicy.extend(managed_results(&store, &CLUSTER_POLICY_REPORT, "").await);
+            let mut openreports = managed_results(&store, &REPORT, "switch").await;
+            openreports.extend(managed_results(&store, &CLUSTER_REPORT, "").await);
+            (wgpolicy, openreports)
         };
         run_merger_until(
             &store,
             OutputFormat::Wgpolicy,
             &format!("{backend:?}: merged into wgpolicyk8s.io"),
-            async || groups().await.0.len() == 3,
+            async || groups().await.0.len() == 4,
         )
         .await;
         let (wgpolicy, openreports) = groups().await;
@@ -613,7 +638,7 @@ async fn output_group_switch_moves_reports_both_ways() {
             &format!("{backend:?}: moved to openreports.io, nothing left in wgpolicyk8s.io"),
             async || {
                 let (w, o) = groups().await;
-                w.is_empty() && o.len() == 3
+                w.is_empty() && o.len() == 4
             },
         )
         .await;
@@ -629,7 +654,7 @@ async fn output_group_switch_moves_reports_both_ways() {
             &format!("{backend:?}: moved back to wgpolicyk8s.io, nothing left in openreports.io"),
             async || {
                 let (w, o) = groups().await;
-                o.is_empty() && w.len() == 3
+                o.is_empty() && w.len() == 4
             },
         )
         .await;

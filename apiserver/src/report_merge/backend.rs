@@ -73,9 +73,10 @@ impl StoreBackend {
                     .await
             }
             Sweep::OtherGroup(output) => {
-                let other: Vec<&ResourceDescriptor> = ["namespace", ""]
+                let other: Vec<&ResourceDescriptor> = output
+                    .final_kinds()
                     .into_iter()
-                    .filter_map(|ns| output.kind_for(ns).counterpart())
+                    .filter_map(ReportKind::counterpart)
                     .map(descriptor)
                     .collect();
                 let namespaces = self
@@ -103,15 +104,18 @@ impl StoreBackend {
         // The other report group's managed copies too: the merge takes their results over and
         // deletes them in the same transaction, so that after a switch of the output group
         // (`--aggregation-output`) no stale copy stays behind.
-        let reports: Vec<&'static ResourceDescriptor> = std::iter::once(request.report_kind)
-            .chain(request.report_kind.counterpart())
+        let taken_over: Vec<&'static ResourceDescriptor> = request
+            .report_kind
+            .counterpart()
             .map(descriptor)
+            .into_iter()
             .collect();
         let rows = self
             .store
             .merge_page(&MergePageQuery {
                 namespace: ns,
-                reports: &reports,
+                reports: descriptor(request.report_kind),
+                taken_over: &taken_over,
                 ephemerals: descriptor(eph_kind),
                 after: request.continue_token,
                 limit: request.limit,
@@ -126,7 +130,7 @@ impl StoreBackend {
         for value in rows.reports {
             let report =
                 FinalReport::from_value(value).map_err(|source| AggregationError::Decode {
-                    what: format!("{} {ns}", request.report_kind),
+                    what: format!("a final report in namespace {ns:?}"),
                     source,
                 })?;
             if on_page(&report, &wanted, first_page) {

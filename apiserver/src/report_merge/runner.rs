@@ -165,9 +165,13 @@ impl InProcessMerger {
         let aggregator = Aggregator::new(self.backend.clone(), config, self.metrics.clone());
         // Subscribe before listing, so that a change is either in the listing or on the feed.
         let (changes, _) = self.store.feed().subscribe().await;
+        // Beside the change feed, not before it: a long first sweep after a switch of the
+        // output group must not hold back new ephemeral reports.
         let events = async {
-            enqueue_all(&self.backend, &aggregator, &term, Sweep::OtherGroup(output)).await;
-            follow_changes(&self.backend, &aggregator, changes, &term).await;
+            tokio::join!(
+                enqueue_all(&self.backend, &aggregator, &term, Sweep::OtherGroup(output)),
+                follow_changes(&self.backend, &aggregator, changes, &term),
+            );
         };
         let handler = {
             let aggregator = aggregator.clone();

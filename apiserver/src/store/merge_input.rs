@@ -36,15 +36,26 @@ pub struct MergeLabels<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct MergePageQuery<'a> {
     pub namespace: &'a str,
-    /// The final kinds read: the one the merge writes first (PolicyReport, Report, …), then
-    /// any other whose managed reports the merge takes over (the other report group's).
-    pub reports: &'a [&'static ResourceDescriptor],
+    /// The final kind the merge writes (PolicyReport, Report, …).
+    pub reports: &'static ResourceDescriptor,
+    /// Other final kinds whose *managed* reports the merge takes over (the other report
+    /// group's, after a switch of the output group); their other reports are never read.
+    pub taken_over: &'a [&'static ResourceDescriptor],
     /// The kind it reads (EphemeralReport or ClusterEphemeralReport).
     pub ephemerals: &'static ResourceDescriptor,
     /// The last subject of the previous page (`None` on the first page).
     pub after: Option<&'a str>,
     pub limit: usize,
     pub labels: MergeLabels<'a>,
+}
+
+impl MergePageQuery<'_> {
+    /// The written kind and the taken-over ones.
+    fn final_kinds(&self) -> Vec<&'static ResourceDescriptor> {
+        std::iter::once(self.reports)
+            .chain(self.taken_over.iter().copied())
+            .collect()
+    }
 }
 
 /// What a page's subjects have stored.
@@ -80,6 +91,9 @@ impl Store {
         let keys = |kinds: &[&ResourceDescriptor]| -> Vec<String> {
             kinds.iter().map(|r| Store::resource_key(r)).collect()
         };
+        if ephemerals.is_empty() && reports.is_none() {
+            return Ok(Vec::new());
+        }
         let mut wanted = Cond::any();
         if !ephemerals.is_empty() {
             wanted = wanted.add(Expr::col((o(), Objects::Resource)).is_in(keys(ephemerals)));
@@ -134,7 +148,7 @@ impl Store {
         if !subjects.is_empty() || first_page {
             let statement = self.reports_statement(q, &subjects, first_page);
             page.reports = self
-                .documents(&txn, &statement, q.namespace, q.reports[0])
+                .documents(&txn, &statement, q.namespace, q.reports)
                 .await?;
         }
         if !subjects.is_empty() {
@@ -210,7 +224,7 @@ impl Store {
         let subject = Alias::new("subject");
         let mut of_ephemerals = self.ephemerals_of(q);
         of_ephemerals.expr_as(ephemeral_subject(self.backend()), subject.clone());
-        let mut of_reports = self.objects_of_any(q.reports, q.namespace);
+        let mut of_reports = self.objects_of_any(&q.final_kinds(), q.namespace);
         of_reports
             .expr_as(Expr::col((o(), Objects::ScopeUid)), subject.clone())
             .and_where(managed(q.labels));
@@ -244,9 +258,15 @@ impl Store {
         if first_page {
             wanted = wanted.add(scope.clone().is_null()).add(scope.eq(""));
         }
-        let mut s = self.objects_of_any(q.reports, q.namespace);
+        // Of the taken-over kinds only the merge's own reports: another producer's report there
+        // can neither collide with a written name nor be taken over.
+        let kind = Cond::any()
+            .add(Expr::col((o(), Objects::Resource)).eq(Store::resource_key(q.reports)))
+            .add(managed(q.labels));
+        let mut s = self.objects_of_any(&q.final_kinds(), q.namespace);
         s.column((o(), Objects::Body))
             .cond_where(wanted)
+            .cond_where(kind)
             .order_by((o(), Objects::Name), Order::Asc);
         s
     }
