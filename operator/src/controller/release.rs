@@ -168,7 +168,8 @@ async fn uninstalling(ctx: &Context) -> Option<String> {
         }
         Ok(None) => return Some(format!("namespace {ns} is gone")),
         Err(e) => {
-            if let Some(reason) = account_gone(ctx, ns, &e).await {
+            // `get` on its own namespace came with the uninstall detection.
+            if let Some(reason) = account_gone(ctx, ns, &e, false).await {
                 return Some(reason);
             }
         }
@@ -181,21 +182,30 @@ async fn uninstalling(ctx: &Context) -> Option<String> {
         Ok(Some(d)) if d.metadata.deletion_timestamp.is_some() => {
             Some(format!("its Deployment {ns}/{name} is being deleted"))
         }
-        Err(e) => account_gone(ctx, ns, &e).await,
+        // Deployments in its namespace: the operator has always managed the servers' there.
+        Err(e) => account_gone(ctx, ns, &e, true).await,
         Ok(Some(_)) => None,
     }
 }
 
 /// Whether `e` means the operator's own account was deleted: 401 (its ServiceAccount is gone),
-/// or 403 on the ReportsServers of its namespace as well, which it reads all the time (a 403 on
-/// the check alone may be RBAC that predates it, and must not make every restart an uninstall).
+/// or 403 where `right_always_held` (a right every release of the operator had, so its refusal
+/// means the RBAC was deleted), else 403 on the ReportsServers of its namespace as well, which
+/// it reads all the time (a 403 on a newer right alone may be RBAC that predates it, and must
+/// not make every restart an uninstall). The namespaced Role and the ClusterRole go in either
+/// order, so each check must stand on its own.
 /// Short: the reason ends up in an Event, whose note has at most 1024 characters.
-async fn account_gone(ctx: &Context, ns: &str, e: &kube::Error) -> Option<String> {
+async fn account_gone(
+    ctx: &Context,
+    ns: &str,
+    e: &kube::Error,
+    right_always_held: bool,
+) -> Option<String> {
     let code = match e {
         kube::Error::Api(s) if s.code == 401 || s.code == 403 => s.code,
         _ => return None,
     };
-    if code == 403 {
+    if code == 403 && !right_always_held {
         let own: Api<ReportsServer> = Api::namespaced(ctx.client.clone(), ns);
         let probe = own.list_metadata(&ListParams::default().limit(1)).await;
         if !matches!(probe, Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403) {
