@@ -426,8 +426,9 @@ fn normalise(report: &Value, subject_uid: &str) -> Value {
 }
 
 /// The documented mapping (docs/kyverno.md "openreports.io"): a Report / ClusterReport is the
-/// PolicyReport / ClusterPolicyReport of the same name with the group renamed and, where the
-/// writer sets it, a top-level `source: kyverno`; everything else is equal.
+/// PolicyReport / ClusterPolicyReport of the same name with the group renamed and a top-level
+/// `source` (empty from Kyverno v1.19.1's own merge, `kyverno` from ours); everything else is
+/// equal.
 fn openreports_as_wgpolicy(report: &mut Value) {
     if report["apiVersion"] != "openreports.io/v1alpha1" {
         return;
@@ -439,7 +440,7 @@ fn openreports_as_wgpolicy(report: &mut Value) {
     };
     report["kind"] = json!(kind);
     if let Some(o) = report.as_object_mut()
-        && o.get("source").is_some_and(|s| s == "kyverno")
+        && o.get("source").is_some_and(|s| s == "kyverno" || s == "")
     {
         o.remove("source");
     }
