@@ -46,8 +46,7 @@ impl PodIds {
     /// The pod-level security context for an image whose user is `uid`: restricted Pod Security
     /// Standard in both forms (non-root, RuntimeDefault seccomp).
     fn pod_security_context(self, uid: i64) -> Value {
-        let mut context =
-            json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}});
+        let mut context = restricted_pod_context();
         if self == PodIds::Fixed {
             context["runAsUser"] = json!(uid);
             context["runAsGroup"] = json!(uid);
@@ -57,8 +56,15 @@ impl PodIds {
     }
 }
 
+/// The pod-level half of the restricted Pod Security Standard, naming no user (the image's
+/// numeric USER applies, or the platform's): the operator's own pod, and every pod with
+/// [`PodIds::Platform`].
+pub(crate) fn restricted_pod_context() -> Value {
+    json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}})
+}
+
 /// The container-level half of the restricted Pod Security Standard.
-fn container_security_context(read_only_root: bool) -> Value {
+pub(crate) fn container_security_context(read_only_root: bool) -> Value {
     json!({
         "allowPrivilegeEscalation": false,
         "readOnlyRootFilesystem": read_only_root,

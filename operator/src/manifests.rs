@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{Value, json};
 
-use crate::rbac;
+use crate::{desired, rbac};
 
 /// Namespace of the operator in install.yaml.
 pub const NAMESPACE: &str = "reports-server";
@@ -139,7 +139,7 @@ fn install_objects(install: Install<'_>) -> Vec<Value> {
                         "serviceAccountName": NAME,
                         // No fixed UID: the image's numeric USER applies, and platforms that
                         // assign one (OpenShift's restricted SCC) may.
-                        "securityContext": {"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}},
+                        "securityContext": desired::restricted_pod_context(),
                         "containers": [{
                             "name": "operator",
                             "image": image,
@@ -158,7 +158,7 @@ fn install_objects(install: Install<'_>) -> Vec<Value> {
                             "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10},
                             "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
                             "resources": resources,
-                            "securityContext": {"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true, "capabilities": {"drop": ["ALL"]}},
+                            "securityContext": desired::container_security_context(true),
                         }],
                     },
                 },
@@ -295,8 +295,8 @@ networkPolicy:
 extraArgs: []
 ",
         indent(&default_resources()),
-        indent(&json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}})),
-        indent(&json!({"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true, "capabilities": {"drop": ["ALL"]}})),
+        indent(&desired::restricted_pod_context()),
+        indent(&desired::container_security_context(true)),
     )
 }
 

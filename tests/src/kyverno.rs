@@ -495,30 +495,15 @@ impl Kyverno {
                 "kyverno-resource-mutating-webhook-cfg",
             ));
         }
-        let deadline = Instant::now() + Duration::from_secs(120);
-        for (kind, name) in configs {
-            loop {
-                let covered = self
-                    .kubectl
-                    .run(&[
-                        "get",
-                        kind,
-                        name,
-                        "-o",
-                        "jsonpath={.webhooks[*].rules[*].resources}",
-                    ])
-                    .is_ok_and(|o| o.contains(&format!("\"{resource}\"")));
-                if covered {
-                    break;
-                }
-                ensure!(
-                    Instant::now() < deadline,
-                    "{name} does not cover {resource} after 120 s\n{}",
-                    self.diagnostics(30)
-                );
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
+        let names: Vec<String> = configs.iter().map(|(k, n)| format!("{k}/{n}")).collect();
+        self.until_webhooks(&names, "{.webhooks[*].rules[*].resources}", |values| {
+            names
+                .iter()
+                .zip(values)
+                .find(|(_, v)| !v.contains(&format!("\"{resource}\"")))
+                .map(|(name, _)| format!("{name} does not cover {resource}"))
+        })
+        .await?;
         Ok(t0.elapsed())
     }
 
@@ -548,26 +533,12 @@ impl Kyverno {
                 .run(&args)
                 .with_context(|| format!("{object} not ready\n{}", self.diagnostics(30)))?;
         }
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let mut urls = String::new();
-            for kind in [
-                "validatingwebhookconfiguration/kyverno-resource-validating-webhook-cfg",
-                "mutatingwebhookconfiguration/kyverno-resource-mutating-webhook-cfg",
-            ] {
-                urls.push_str(
-                    &self
-                        .kubectl
-                        .run(&[
-                            "get",
-                            kind,
-                            "-o",
-                            "jsonpath={.webhooks[*].clientConfig.url}",
-                        ])
-                        .unwrap_or_default(),
-                );
-                urls.push(' ');
-            }
+        let configs = [
+            "validatingwebhookconfiguration/kyverno-resource-validating-webhook-cfg".to_string(),
+            "mutatingwebhookconfiguration/kyverno-resource-mutating-webhook-cfg".into(),
+        ];
+        self.until_webhooks(&configs, "{.webhooks[*].clientConfig.url}", |urls| {
+            let urls = urls.join(" ");
             let missing: Vec<&str> = policies
                 .iter()
                 .map(|(_, _, name)| *name)
@@ -577,12 +548,38 @@ impl Kyverno {
                         .any(|segment| segment == *name)
                 })
                 .collect();
-            if missing.is_empty() {
-                return Ok(t0.elapsed());
-            }
+            (!missing.is_empty())
+                .then(|| format!("no Kyverno resource webhook names {missing:?} (URLs: {urls})"))
+        })
+        .await?;
+        Ok(t0.elapsed())
+    }
+
+    /// Polls `jsonpath` of each of Kyverno's webhook configurations `configs` (`kind/name`)
+    /// every 500 ms until `missing` finds nothing missing in their values, for at most 120 s.
+    async fn until_webhooks(
+        &self,
+        configs: &[String],
+        jsonpath: &str,
+        mut missing: impl FnMut(&[String]) -> Option<String>,
+    ) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let output = format!("jsonpath={jsonpath}");
+        loop {
+            let values: Vec<String> = configs
+                .iter()
+                .map(|c| {
+                    self.kubectl
+                        .run(&["get", c, "-o", &output])
+                        .unwrap_or_default()
+                })
+                .collect();
+            let Some(what) = missing(&values) else {
+                return Ok(());
+            };
             ensure!(
                 Instant::now() < deadline,
-                "no Kyverno resource webhook names {missing:?} after 120 s (URLs: {urls})\n{}",
+                "{what} after 120 s\n{}",
                 self.diagnostics(30)
             );
             tokio::time::sleep(Duration::from_millis(500)).await;
