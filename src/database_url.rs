@@ -3,6 +3,22 @@
 //! from the peer keeps their Secret. Each part is percent-encoded: a password with `@`, `/`, `:`
 //! or `#` would otherwise change which host or database the URL names.
 
+use std::path::Path;
+
+/// The database a command names: its `--database-url`, else the peer's variables; `None` means
+/// the embedded SQLite file ([`embedded_sqlite`]), as `serve` uses without either.
+pub fn named(flag: Option<&str>, var: impl Fn(&str) -> Option<String>) -> Option<String> {
+    flag.map(str::to_owned).or_else(|| from_peer_variables(var))
+}
+
+/// The file `reports.db` in `data_dir`: `serve`'s database without flags (created if absent).
+pub fn embedded_sqlite(data_dir: &Path) -> String {
+    format!(
+        "sqlite://{}?mode=rwc",
+        data_dir.join("reports.db").display()
+    )
+}
+
 /// `postgres://user:password@host:port/database`, or `None` when `DB_HOST` is unset.
 pub fn from_peer_variables(var: impl Fn(&str) -> Option<String>) -> Option<String> {
     let host = var("DB_HOST")?;

@@ -23,6 +23,7 @@ mod database_url;
 mod limits_cli;
 mod migrate_cli;
 mod operator_cli;
+mod query_cli;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -113,6 +114,10 @@ enum Command {
     BenchAggregation(bench_aggregation::BenchAggregationArgs),
     /// Run the ReportsServer operator (reconciles reportsserver.io/v1alpha1 objects).
     Operator(Box<operator_cli::OperatorArgs>),
+    /// Ask the database a named question (failing results, compliance, top failing resources,
+    /// results by property) or read-only SQL (`--sql`), through a read-only connection
+    /// (docs/analytics.md).
+    Query(Box<query_cli::QueryArgs>),
 }
 
 /// How `serve` authenticates and authorizes callers.
@@ -306,19 +311,15 @@ fn default_data_dir() -> String {
 impl DatabaseArgs {
     /// The effective URL: the flag, the peer's DB_* variables, or the embedded SQLite file.
     fn url(&self) -> anyhow::Result<String> {
-        if let Some(url) = &self.database_url {
-            return Ok(url.clone());
-        }
-        if let Some(url) = database_url::from_peer_variables(|name| std::env::var(name).ok()) {
+        if let Some(url) = database_url::named(self.database_url.as_deref(), |name| {
+            std::env::var(name).ok()
+        }) {
             return Ok(url);
         }
         let dir = PathBuf::from(&self.data_dir);
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
-        Ok(format!(
-            "sqlite://{}?mode=rwc",
-            dir.join("reports.db").display()
-        ))
+        Ok(database_url::embedded_sqlite(&dir))
     }
 
     pub(crate) fn store_options(&self) -> anyhow::Result<StoreOptions> {
@@ -352,6 +353,7 @@ async fn main() -> anyhow::Result<()> {
         #[cfg(feature = "bench")]
         Command::BenchAggregation(args) => bench_aggregation::run(args).await,
         Command::Operator(args) => operator_cli::run(*args).await,
+        Command::Query(args) => query_cli::run(*args).await,
     }
 }
 

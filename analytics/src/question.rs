@@ -1,0 +1,391 @@
+//! The named questions and the SQL each becomes for a backend. No I/O: every filter value is a
+//! bound parameter, and the text holds only our own SQL (plus, for property columns, a key that
+//! [`Condition`] limited to `[A-Za-z0-9_.-]`).
+
+use sea_orm::{DbBackend, Value};
+
+use crate::condition::{Comparison, Condition};
+
+/// Narrows the results a question looks at; every `None` matches everything.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ResultFilter {
+    /// `--cluster-id`: the partition several clusters sharing a database write under.
+    pub cluster_id: String,
+    pub policy: Option<String>,
+    /// The report's namespace (`""` for cluster-scoped reports).
+    pub namespace: Option<String>,
+    pub severity: Option<String>,
+    pub category: Option<String>,
+    pub source: Option<String>,
+    /// The subject's kind, e.g. `Pod`.
+    pub kind: Option<String>,
+}
+
+/// Which compliance view a compliance question reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grouping {
+    Namespace,
+    Policy,
+    Cluster,
+}
+
+/// A question a platform team asks of its reports.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Question {
+    /// Every failing result, with its subject and message.
+    Failing { filter: ResultFilter, limit: u32 },
+    /// pass/fail/warn/error/skip and the ratio, per namespace, policy or cluster. `Cluster`
+    /// lists every cluster of the database; the others stay in `filter.cluster_id` and honour
+    /// `namespace` (per namespace), `policy` and `source` (per policy).
+    Compliance { by: Grouping, filter: ResultFilter },
+    /// The resources with the most failing results.
+    TopFailing { filter: ResultFilter, limit: u32 },
+    /// Results whose properties satisfy every condition (any outcome), with those properties.
+    Properties {
+        filter: ResultFilter,
+        conditions: Vec<Condition>,
+        limit: u32,
+    },
+}
+
+/// A statement and its bound values, ready for `Statement::from_sql_and_values`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Query {
+    pub backend: DbBackend,
+    pub sql: String,
+    pub values: Vec<Value>,
+}
+
+/// Collects bound values and spells each placeholder the backend's way.
+struct Binder {
+    backend: DbBackend,
+    values: Vec<Value>,
+}
+
+impl Binder {
+    fn bind(&mut self, value: impl Into<Value>) -> String {
+        self.values.push(value.into());
+        match self.backend {
+            DbBackend::Postgres => format!("${}", self.values.len()),
+            _ => "?".to_owned(),
+        }
+    }
+
+    /// `column = <value>` for each filter that is set, the cluster always.
+    fn filter(&mut self, filter: &ResultFilter) -> Vec<String> {
+        let mut terms = vec![format!(
+            "cluster_id = {}",
+            self.bind(filter.cluster_id.clone())
+        )];
+        for (column, value) in [
+            ("policy", &filter.policy),
+            ("namespace", &filter.namespace),
+            ("severity", &filter.severity),
+            ("category", &filter.category),
+            ("source", &filter.source),
+            ("subject_kind", &filter.kind),
+        ] {
+            if let Some(value) = value {
+                terms.push(format!("{column} = {}", self.bind(value.clone())));
+            }
+        }
+        terms
+    }
+
+    /// The text of property `key` of the row's `properties`, NULL when absent.
+    fn property(&mut self, key: &str) -> String {
+        let path = format!("$.\"{key}\"");
+        match self.backend {
+            DbBackend::Postgres => format!("(CAST(properties AS jsonb) ->> {})", self.bind(key)),
+            DbBackend::MySql => format!(
+                "JSON_UNQUOTE(JSON_EXTRACT(properties, {}))",
+                self.bind(path)
+            ),
+            _ => format!("json_extract(properties, {})", self.bind(path)),
+        }
+    }
+
+    /// Property `key` as a number, NULL when it is not one: PostgreSQL's cast of a non-number
+    /// fails the whole query, and SQLite's and MySQL's read one as 0.
+    fn numeric_property(&mut self, key: &str) -> String {
+        let text = self.property(key);
+        let pattern = "'^-?[0-9]+([.][0-9]+)?$'";
+        match self.backend {
+            DbBackend::Postgres => format!(
+                "CASE WHEN {text} ~ {pattern} THEN CAST({} AS DOUBLE PRECISION) END",
+                self.property(key)
+            ),
+            DbBackend::MySql => format!(
+                "CASE WHEN {text} REGEXP {pattern} THEN CAST({} AS DOUBLE) END",
+                self.property(key)
+            ),
+            _ => {
+                let again = self.property(key);
+                format!(
+                    "CASE WHEN {text} GLOB '*[0-9]*' AND {again} NOT GLOB '*[^0-9.-]*' \
+                     THEN CAST({} AS REAL) END",
+                    self.property(key)
+                )
+            }
+        }
+    }
+
+    fn condition(&mut self, condition: &Condition) -> String {
+        match &condition.comparison {
+            Comparison::Equals(value) => {
+                format!(
+                    "{} = {}",
+                    self.property(&condition.key),
+                    self.bind(value.clone())
+                )
+            }
+            Comparison::Differs(value) => {
+                format!(
+                    "{} <> {}",
+                    self.property(&condition.key),
+                    self.bind(value.clone())
+                )
+            }
+            Comparison::Numeric(order, value) => format!(
+                "{} {} {}",
+                self.numeric_property(&condition.key),
+                order.sql(),
+                self.bind(*value)
+            ),
+        }
+    }
+
+    fn quoted(&self, alias: &str) -> String {
+        match self.backend {
+            DbBackend::MySql => format!("`{alias}`"),
+            _ => format!("\"{alias}\""),
+        }
+    }
+}
+
+/// The columns of a compliance view after its grouping columns.
+const COUNTERS: &str = "pass, fail, warn, error, skip, total, ratio";
+
+impl Question {
+    /// The statement that answers this question on `backend`.
+    pub fn to_query(&self, backend: DbBackend) -> Query {
+        let mut binder = Binder {
+            backend,
+            values: Vec::new(),
+        };
+        let sql = match self {
+            Question::Failing { filter, limit } => {
+                let mut terms = binder.filter(filter);
+                terms.push("result = 'fail'".into());
+                format!(
+                    "SELECT namespace, subject_kind, subject_name, source, policy, rule, \
+                     severity, category, message FROM report_results WHERE {} \
+                     ORDER BY namespace, subject_kind, subject_name, policy, rule LIMIT {}",
+                    terms.join(" AND "),
+                    binder.bind(i64::from(*limit))
+                )
+            }
+            Question::Compliance { by, filter } => compliance(&mut binder, *by, filter),
+            Question::TopFailing { filter, limit } => {
+                let mut terms = binder.filter(filter);
+                terms.push("result = 'fail'".into());
+                format!(
+                    "SELECT subject_kind, subject_namespace, subject_name, \
+                     COUNT(*) AS failures, COUNT(DISTINCT policy) AS policies \
+                     FROM report_results WHERE {} \
+                     GROUP BY subject_kind, subject_namespace, subject_name \
+                     ORDER BY failures DESC, subject_namespace, subject_name, subject_kind \
+                     LIMIT {}",
+                    terms.join(" AND "),
+                    binder.bind(i64::from(*limit))
+                )
+            }
+            Question::Properties {
+                filter,
+                conditions,
+                limit,
+            } => properties(&mut binder, filter, conditions, *limit),
+        };
+        Query {
+            backend,
+            sql,
+            values: binder.values,
+        }
+    }
+}
+
+fn compliance(binder: &mut Binder, by: Grouping, filter: &ResultFilter) -> String {
+    let (view, columns, narrowing) = match by {
+        Grouping::Namespace => (
+            "namespace_compliance",
+            "namespace",
+            vec![("namespace", &filter.namespace)],
+        ),
+        Grouping::Policy => (
+            "policy_compliance",
+            "source, policy",
+            vec![("policy", &filter.policy), ("source", &filter.source)],
+        ),
+        Grouping::Cluster => {
+            return format!(
+                "SELECT cluster_id, {COUNTERS} FROM cluster_compliance ORDER BY cluster_id"
+            );
+        }
+    };
+    let mut terms = vec![format!(
+        "cluster_id = {}",
+        binder.bind(filter.cluster_id.clone())
+    )];
+    for (column, value) in narrowing {
+        if let Some(value) = value {
+            terms.push(format!("{column} = {}", binder.bind(value.clone())));
+        }
+    }
+    format!(
+        "SELECT {columns}, {COUNTERS} FROM {view} WHERE {} ORDER BY {columns}",
+        terms.join(" AND ")
+    )
+}
+
+fn properties(
+    binder: &mut Binder,
+    filter: &ResultFilter,
+    conditions: &[Condition],
+    limit: u32,
+) -> String {
+    // One column per distinct key a condition names, in the order given.
+    let mut keys: Vec<&str> = Vec::new();
+    for condition in conditions {
+        if !keys.contains(&condition.key.as_str()) {
+            keys.push(&condition.key);
+        }
+    }
+    let shown: Vec<String> = keys
+        .iter()
+        .map(|key| format!("{} AS {}", binder.property(key), binder.quoted(key)))
+        .collect();
+    let mut terms = binder.filter(filter);
+    terms.extend(conditions.iter().map(|c| binder.condition(c)));
+    let shown = shown
+        .iter()
+        .map(|column| format!(", {column}"))
+        .collect::<String>();
+    format!(
+        "SELECT namespace, subject_kind, subject_name, source, policy, rule, result, \
+         severity{shown} FROM report_results WHERE {} \
+         ORDER BY namespace, subject_kind, subject_name, policy, rule LIMIT {}",
+        terms.join(" AND "),
+        binder.bind(i64::from(limit))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filter() -> ResultFilter {
+        ResultFilter {
+            cluster_id: "default".into(),
+            policy: Some("disallow-privileged-containers".into()),
+            severity: Some("high".into()),
+            ..ResultFilter::default()
+        }
+    }
+
+    #[test]
+    fn filters_are_bound_in_each_backends_placeholders() {
+        let question = Question::Failing {
+            filter: filter(),
+            limit: 50,
+        };
+        let postgres = question.to_query(DbBackend::Postgres);
+        assert!(
+            postgres.sql.contains(
+                "WHERE cluster_id = $1 AND policy = $2 AND severity = $3 AND result = 'fail'"
+            ),
+            "{}",
+            postgres.sql
+        );
+        assert!(postgres.sql.ends_with("LIMIT $4"), "{}", postgres.sql);
+        let values: Vec<Value> = vec![
+            "default".into(),
+            "disallow-privileged-containers".into(),
+            "high".into(),
+            50i64.into(),
+        ];
+        assert_eq!(postgres.values, values);
+        let mysql = question.to_query(DbBackend::MySql);
+        assert!(
+            mysql
+                .sql
+                .contains("cluster_id = ? AND policy = ? AND severity = ?")
+        );
+        assert_eq!(mysql.values, values);
+    }
+
+    #[test]
+    fn property_conditions_never_carry_their_text_into_sql() {
+        let conditions = vec![
+            "score>=8.0".parse::<Condition>().unwrap(),
+            "vulnerabilityID=CVE-2024-0001"
+                .parse::<Condition>()
+                .unwrap(),
+        ];
+        let question = Question::Properties {
+            filter: ResultFilter {
+                cluster_id: "c".into(),
+                ..ResultFilter::default()
+            },
+            conditions,
+            limit: 10,
+        };
+        for backend in [DbBackend::Sqlite, DbBackend::Postgres, DbBackend::MySql] {
+            let query = question.to_query(backend);
+            assert!(!query.sql.contains("CVE-2024-0001"), "{}", query.sql);
+            assert!(!query.sql.contains("8.0"), "{}", query.sql);
+            assert!(query.values.contains(&Value::from(8.0f64)), "{backend:?}");
+            assert!(query.values.contains(&Value::from("CVE-2024-0001")));
+            // The keys are columns of the answer, quoted.
+            let quote = if backend == DbBackend::MySql {
+                '`'
+            } else {
+                '"'
+            };
+            assert!(
+                query.sql.contains(&format!("AS {quote}score{quote}")),
+                "{}",
+                query.sql
+            );
+        }
+        let postgres = question.to_query(DbBackend::Postgres);
+        assert!(postgres.values.contains(&Value::from("score")));
+        let sqlite = question.to_query(DbBackend::Sqlite);
+        assert!(sqlite.values.contains(&Value::from("$.\"score\"")));
+    }
+
+    #[test]
+    fn compliance_reads_its_view_and_narrows_only_by_its_columns() {
+        let question = |by| Question::Compliance {
+            by,
+            filter: ResultFilter {
+                cluster_id: "default".into(),
+                namespace: Some("team-a".into()),
+                policy: Some("p".into()),
+                ..ResultFilter::default()
+            },
+        };
+        let by_namespace = question(Grouping::Namespace).to_query(DbBackend::Sqlite);
+        assert_eq!(
+            by_namespace.sql,
+            "SELECT namespace, pass, fail, warn, error, skip, total, ratio \
+             FROM namespace_compliance WHERE cluster_id = ? AND namespace = ? ORDER BY namespace"
+        );
+        let by_policy = question(Grouping::Policy).to_query(DbBackend::Postgres);
+        assert!(by_policy.sql.contains("FROM policy_compliance WHERE cluster_id = $1 AND policy = $2 ORDER BY source, policy"), "{}", by_policy.sql);
+        let by_cluster = question(Grouping::Cluster).to_query(DbBackend::MySql);
+        assert!(
+            by_cluster.values.is_empty(),
+            "every cluster of the database"
+        );
+    }
+}

@@ -1,0 +1,276 @@
+//! `reports-server query`: the named questions of `reports-server-analytics` and read-only SQL
+//! from the command line, against the database `serve` uses (the same `--database-url`,
+//! `DB_*` variables and default SQLite file), printed as a table, JSON, CSV or YAML.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::bail;
+use clap::{Args, Subcommand, ValueEnum};
+use reports_server_analytics::{
+    self as analytics, AnalyticsError, Condition, Grouping, Output, Question, ResultFilter,
+};
+
+use crate::database_url;
+
+#[derive(Args)]
+pub struct QueryArgs {
+    #[command(subcommand)]
+    question: Option<QuestionCommand>,
+    /// Run this SQL instead of a named question, in a read-only transaction (a statement that
+    /// writes is refused). Query the views of docs/analytics.md and docs/sql-schema.md.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_SQL")]
+    sql: Option<String>,
+    #[command(flatten)]
+    connection: ConnectionArgs,
+}
+
+#[derive(Args)]
+struct ConnectionArgs {
+    /// Database URL: sqlite://PATH, postgres://USER:PASS@HOST:PORT/DB or mysql://…
+    /// [default: `serve`'s: built from DB_HOST/DB_PORT/DB_DATABASE/DB_USER/DB_PASSWORD when DB_HOST is set, else the SQLite file `reports.db` in --data-dir]
+    #[arg(long, env = "REPORTS_SERVER_DATABASE_URL", global = true)]
+    database_url: Option<String>,
+    /// Directory of `serve`'s embedded database.
+    #[arg(long, env = "REPORTS_SERVER_DATA_DIR", default_value_t = crate::default_data_dir(), global = true)]
+    data_dir: String,
+    /// The cluster whose reports to read, when several share the database.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_CLUSTER_ID",
+        default_value = "default",
+        global = true
+    )]
+    cluster_id: String,
+    /// Seconds to wait for the database connection.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_DB_CONNECT_TIMEOUT_SECONDS",
+        default_value_t = 10,
+        global = true
+    )]
+    db_connect_timeout_seconds: u64,
+    /// How to print the answer.
+    #[arg(
+        long,
+        short = 'o',
+        env = "REPORTS_SERVER_QUERY_OUTPUT",
+        default_value = "table",
+        value_enum,
+        global = true
+    )]
+    output: OutputArg,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum OutputArg {
+    Table,
+    Json,
+    Csv,
+    Yaml,
+}
+
+#[derive(Subcommand)]
+enum QuestionCommand {
+    /// Failing results with their subject, policy, rule and message.
+    Failing(Listed<ResultFilterArgs, 100>),
+    /// pass, fail, warn, error, skip, total and ratio (pass / (pass + fail + warn + error)) per
+    /// namespace, policy or cluster.
+    Compliance(ComplianceArgs),
+    /// The resources with the most failing results.
+    TopFailing(Listed<ResultFilterArgs, 10>),
+    /// Results whose properties satisfy every --where, e.g. --where 'score>=8.0' on Trivy's
+    /// vulnerability reports; shows those properties.
+    Properties(PropertiesArgs),
+}
+
+#[derive(Args)]
+struct Listed<F: Args, const LIMIT: u32> {
+    #[command(flatten)]
+    filter: F,
+    /// At most this many rows.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_LIMIT", default_value_t = LIMIT)]
+    limit: u32,
+}
+
+#[derive(Args)]
+struct ResultFilterArgs {
+    /// Only this policy.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_POLICY")]
+    policy: Option<String>,
+    /// Only reports in this namespace (`""` for cluster-scoped reports).
+    #[arg(long, env = "REPORTS_SERVER_QUERY_NAMESPACE")]
+    namespace: Option<String>,
+    /// Only this severity: critical, high, medium, low or info.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_SEVERITY")]
+    severity: Option<String>,
+    /// Only this category, e.g. "Pod Security Standards (Baseline)".
+    #[arg(long, env = "REPORTS_SERVER_QUERY_CATEGORY")]
+    category: Option<String>,
+    /// Only this source (the engine that wrote the result), e.g. kyverno.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_SOURCE")]
+    source: Option<String>,
+    /// Only results about this kind of resource, e.g. Pod.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_KIND")]
+    kind: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum GroupingArg {
+    Namespace,
+    Policy,
+    Cluster,
+}
+
+#[derive(Args)]
+struct ComplianceArgs {
+    /// One row per namespace, per policy (and source), or per cluster of the database.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_QUERY_BY",
+        default_value = "namespace",
+        value_enum
+    )]
+    by: GroupingArg,
+    /// With --by namespace: only this namespace.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_NAMESPACE")]
+    namespace: Option<String>,
+    /// With --by policy: only this policy.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_POLICY")]
+    policy: Option<String>,
+    /// With --by policy: only this source.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_SOURCE")]
+    source: Option<String>,
+}
+
+#[derive(Args)]
+struct PropertiesArgs {
+    /// KEY OP VALUE over the result's properties (repeat: all must hold). OP is = or != (text)
+    /// or >, >=, <, <= (the property read as a number). KEY holds [A-Za-z0-9_.-].
+    #[arg(long = "where", required = true, env = "REPORTS_SERVER_QUERY_WHERE")]
+    conditions: Vec<Condition>,
+    #[command(flatten)]
+    listed: Listed<ResultFilterArgs, 100>,
+}
+
+impl ResultFilterArgs {
+    fn filter(self, cluster_id: String) -> ResultFilter {
+        ResultFilter {
+            cluster_id,
+            policy: self.policy,
+            namespace: self.namespace,
+            severity: self.severity,
+            category: self.category,
+            source: self.source,
+            kind: self.kind,
+        }
+    }
+}
+
+impl QuestionCommand {
+    fn question(self, cluster_id: String) -> Question {
+        match self {
+            QuestionCommand::Failing(args) => Question::Failing {
+                filter: args.filter.filter(cluster_id),
+                limit: args.limit,
+            },
+            QuestionCommand::TopFailing(args) => Question::TopFailing {
+                filter: args.filter.filter(cluster_id),
+                limit: args.limit,
+            },
+            QuestionCommand::Compliance(args) => Question::Compliance {
+                by: match args.by {
+                    GroupingArg::Namespace => Grouping::Namespace,
+                    GroupingArg::Policy => Grouping::Policy,
+                    GroupingArg::Cluster => Grouping::Cluster,
+                },
+                filter: ResultFilter {
+                    cluster_id,
+                    namespace: args.namespace,
+                    policy: args.policy,
+                    source: args.source,
+                    ..ResultFilter::default()
+                },
+            },
+            QuestionCommand::Properties(args) => Question::Properties {
+                filter: args.listed.filter.filter(cluster_id),
+                conditions: args.conditions,
+                limit: args.listed.limit,
+            },
+        }
+    }
+}
+
+impl ConnectionArgs {
+    /// `serve`'s database; the embedded SQLite file must exist (reading never creates one).
+    fn url(&self) -> anyhow::Result<String> {
+        if let Some(url) = database_url::named(self.database_url.as_deref(), |name| {
+            std::env::var(name).ok()
+        }) {
+            return Ok(url);
+        }
+        let dir = PathBuf::from(&self.data_dir);
+        let file = dir.join("reports.db");
+        if !file.exists() {
+            bail!(
+                "no database at {}: start `reports-server serve` (which creates it), or pass \
+                 --data-dir or --database-url",
+                file.display()
+            );
+        }
+        Ok(database_url::embedded_sqlite(&dir))
+    }
+}
+
+/// The views a named question reads: an error naming one means the schema is older.
+const VIEWS: [&str; 4] = [
+    "namespace_compliance",
+    "policy_compliance",
+    "cluster_compliance",
+    "report_results",
+];
+
+pub async fn run(args: QueryArgs) -> anyhow::Result<()> {
+    let connection = args.connection;
+    let output = match connection.output {
+        OutputArg::Table => Output::Table,
+        OutputArg::Json => Output::Json,
+        OutputArg::Csv => Output::Csv,
+        OutputArg::Yaml => Output::Yaml,
+    };
+    let timeout = Duration::from_secs(connection.db_connect_timeout_seconds);
+    let url = connection.url()?;
+    let db = analytics::connect_read_only(&url, timeout).await?;
+    let table = match (args.question, args.sql) {
+        (Some(question), None) => {
+            let question = question.question(connection.cluster_id.clone());
+            analytics::run_question(&db, &question)
+                .await
+                .map_err(older_schema_hint)?
+        }
+        (None, Some(sql)) => analytics::run_sql(&db, &sql).await?,
+        (Some(_), Some(_)) => {
+            bail!("name a question or pass --sql, not both (is REPORTS_SERVER_QUERY_SQL set?)")
+        }
+        (None, None) => bail!(
+            "name a question (failing, compliance, top-failing, properties) or pass --sql; \
+             see `reports-server query --help`"
+        ),
+    };
+    print!("{}", table.render(output)?);
+    Ok(())
+}
+
+fn older_schema_hint(error: AnalyticsError) -> anyhow::Error {
+    let text = error.to_string();
+    let older = VIEWS.iter().any(|view| text.contains(view));
+    let error = anyhow::Error::new(error);
+    if older {
+        error.context(
+            "the database lacks the analytics views of this release: run \
+             `reports-server migrate` (or start this release's `serve`) first",
+        )
+    } else {
+        error
+    }
+}

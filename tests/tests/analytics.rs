@@ -1,0 +1,719 @@
+//! `reports-server query`'s named questions and the analytics views (docs/analytics.md) on
+//! SQLite, PostgreSQL and MariaDB: each answer equals what the test computes from the fixtures
+//! it seeded (Pod Security Standards reports across namespaces, Trivy-shaped vulnerability
+//! reports, a second cluster), and `--sql` cannot write.
+//!
+//! `REPORTS_SERVER_ANALYTICS_KEEP=DIR` leaves the SQLite fixture database in `DIR/reports.db`,
+//! for `reports-server query --data-dir DIR …` (the outputs shown in docs/analytics.md).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use reports_server_analytics::{
+    self as analytics, AnalyticsError, Grouping, Output, Question, ResultFilter, Table,
+};
+use reports_server_apiserver::store::{Mutation, Store, StoreError, StoreOptions};
+use reports_server_crds::catalog::POLICY_REPORT;
+use reports_server_crds::fixtures::{Subject, pss_policy_report};
+use reports_server_tests::Backend;
+use sea_orm::DatabaseConnection;
+use serde_json::{Value, json};
+
+const CLUSTER: &str = "default";
+const OTHER_CLUSTER: &str = "staging";
+const TIMESTAMP: i64 = 1_764_300_000;
+
+/// One stored report: its cluster and its body.
+struct Fixture {
+    cluster: &'static str,
+    report: Value,
+}
+
+/// A Pod Security Standards report on `pod-<n>` in `namespace` with the rules at `failing`
+/// failing, written `age` seconds before [`TIMESTAMP`].
+fn pss(cluster: &'static str, namespace: &str, n: u64, failing: &[usize], age: i64) -> Fixture {
+    let subject = Subject::pod(namespace, n);
+    let mut report = serde_json::to_value(pss_policy_report(&subject, TIMESTAMP - age, failing))
+        .expect("a fixture serializes");
+    report["metadata"]["uid"] = json!(format!("report-{n}"));
+    report["metadata"]["creationTimestamp"] = json!("2026-11-28T00:00:00Z");
+    Fixture { cluster, report }
+}
+
+/// A vulnerability: ID, package, installed and fixed version, severity, CVSS score.
+type Vulnerability = (
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+);
+
+/// A Trivy-shaped report, as trivy-operator's VulnerabilityReports look once written as a
+/// PolicyReport (policy-reporter's Trivy plugin, the trivy-operator-polr-adapter): scope the
+/// workload, one result per vulnerability, `fail` for critical and high, `warn` below, the
+/// details as string properties.
+fn trivy(
+    namespace: &str,
+    deployment: &str,
+    image: &str,
+    vulnerabilities: &[Vulnerability],
+) -> Fixture {
+    let results: Vec<Value> = vulnerabilities
+        .iter()
+        .map(|(id, package, installed, fixed, severity, score)| {
+            let failing = matches!(*severity, "critical" | "high");
+            json!({
+                "source": "Trivy Vulnerability",
+                "policy": id,
+                "rule": package,
+                "category": "Vulnerability Scan",
+                "severity": severity,
+                "result": if failing { "fail" } else { "warn" },
+                "timestamp": {"seconds": TIMESTAMP, "nanos": 0},
+                "message": format!("{package} {installed}: {id}"),
+                "properties": {
+                    "vulnerabilityID": id,
+                    "resource": package,
+                    "installedVersion": installed,
+                    "fixedVersion": fixed,
+                    "score": score,
+                    "artifact.repository": image,
+                    "primaryURL": format!("https://avd.aquasec.com/nvd/{}", id.to_lowercase()),
+                },
+            })
+        })
+        .collect();
+    let mut summary = json!({"pass": 0, "fail": 0, "warn": 0, "error": 0, "skip": 0});
+    for result in &results {
+        let outcome = result["result"].as_str().unwrap();
+        summary[outcome] = json!(summary[outcome].as_i64().unwrap() + 1);
+    }
+    let report = json!({
+        "apiVersion": "wgpolicyk8s.io/v1alpha2",
+        "kind": "PolicyReport",
+        "metadata": {
+            "name": format!("trivy-vuln-deployment-{deployment}"),
+            "namespace": namespace,
+            "uid": format!("trivy-{namespace}-{deployment}"),
+            "creationTimestamp": "2026-11-28T00:00:00Z",
+            "labels": {"app.kubernetes.io/created-by": "trivy-operator-polr-adapter"},
+        },
+        "scope": {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "namespace": namespace,
+            "name": deployment,
+            "uid": format!("deployment-{namespace}-{deployment}"),
+        },
+        "summary": summary,
+        "results": results,
+    });
+    Fixture {
+        cluster: CLUSTER,
+        report,
+    }
+}
+
+fn fixtures() -> Vec<Fixture> {
+    let mut all = vec![
+        pss(CLUSTER, "team-a", 1, &[0, 3, 5], 0),
+        pss(CLUSTER, "team-a", 2, &[0], 0),
+        pss(CLUSTER, "team-a", 3, &[], 0),
+        pss(CLUSTER, "team-b", 4, &[0, 1, 2, 3, 4, 5, 6], 0),
+        pss(CLUSTER, "team-b", 5, &[3], 0),
+        pss(CLUSTER, "payments", 6, &[2, 8], 0),
+        pss(OTHER_CLUSTER, "team-a", 7, &[0, 1], 0),
+    ];
+    // pod-2 reported a second time, an hour earlier, under another name: `latest_results`
+    // keeps the newer result of each rule.
+    let mut stale = pss(CLUSTER, "team-a", 2, &[0, 1, 2], 3600);
+    stale.report["metadata"]["name"] = json!("pod-2-previous-scan");
+    stale.report["metadata"]["uid"] = json!("report-2-previous");
+    all.push(stale);
+    all.extend([
+        trivy(
+            "team-a",
+            "web",
+            "library/nginx",
+            &[
+                (
+                    "CVE-2024-6119",
+                    "libssl3",
+                    "3.0.11-1",
+                    "3.0.14-1",
+                    "high",
+                    "7.5",
+                ),
+                (
+                    "CVE-2024-45490",
+                    "libexpat1",
+                    "2.5.0-1",
+                    "2.5.0-1+deb12u1",
+                    "critical",
+                    "9.8",
+                ),
+                (
+                    "CVE-2023-50387",
+                    "libsystemd0",
+                    "252.17-1",
+                    "252.23-1",
+                    "high",
+                    "8.1",
+                ),
+                (
+                    "CVE-2024-2511",
+                    "libssl3",
+                    "3.0.11-1",
+                    "3.0.14-1",
+                    "medium",
+                    "5.9",
+                ),
+            ],
+        ),
+        trivy(
+            "payments",
+            "checkout",
+            "payments/checkout",
+            &[
+                (
+                    "CVE-2024-45490",
+                    "libexpat1",
+                    "2.5.0-1",
+                    "2.5.0-1+deb12u1",
+                    "critical",
+                    "9.8",
+                ),
+                (
+                    "CVE-2024-37371",
+                    "libkrb5-3",
+                    "1.20.1-2",
+                    "1.20.1-2+deb12u2",
+                    "critical",
+                    "9.1",
+                ),
+                (
+                    "CVE-2024-28182",
+                    "libnghttp2-14",
+                    "1.52.0-1",
+                    "1.52.0-1+deb12u2",
+                    "medium",
+                    "5.3",
+                ),
+                // A score that is not a number never matches a numeric condition.
+                ("TEMP-0841856", "bash", "5.2.15-2", "", "low", "N/A"),
+            ],
+        ),
+    ]);
+    all
+}
+
+async fn seed(url: &str) -> Vec<Fixture> {
+    let fixtures = fixtures();
+    for cluster in [CLUSTER, OTHER_CLUSTER] {
+        let mut options = StoreOptions::new(url.to_owned());
+        options.cluster_id = cluster.into();
+        let store = Store::connect(options).await.expect("the store opens");
+        for fixture in fixtures.iter().filter(|f| f.cluster == cluster) {
+            let namespace = fixture.report["metadata"]["namespace"].as_str().unwrap();
+            let name = fixture.report["metadata"]["name"].as_str().unwrap();
+            store
+                .mutate::<StoreError, _>(&POLICY_REPORT, namespace, name, false, |_| {
+                    Ok(Mutation::Put(fixture.report.clone()))
+                })
+                .await
+                .expect("a fixture is stored");
+        }
+    }
+    fixtures
+}
+
+/// One result as the views see it: the report's namespace, the subject (its own or the
+/// report's scope), the rule, the outcome, the properties.
+#[derive(Clone, Debug)]
+struct Row {
+    cluster: &'static str,
+    namespace: String,
+    kind: String,
+    subject_namespace: String,
+    subject: String,
+    source: String,
+    policy: String,
+    rule: String,
+    result: String,
+    severity: String,
+    timestamp: i64,
+    properties: BTreeMap<String, String>,
+}
+
+fn rows(fixtures: &[Fixture]) -> Vec<Row> {
+    let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+    let mut rows = Vec::new();
+    for fixture in fixtures {
+        let report = &fixture.report;
+        for result in report["results"].as_array().unwrap() {
+            let subject = result["resources"].get(0).unwrap_or(&report["scope"]);
+            rows.push(Row {
+                cluster: fixture.cluster,
+                namespace: text(&report["metadata"]["namespace"]),
+                kind: text(&subject["kind"]),
+                subject_namespace: text(&subject["namespace"]),
+                subject: text(&subject["name"]),
+                source: text(&result["source"]),
+                policy: text(&result["policy"]),
+                rule: text(&result["rule"]),
+                result: text(&result["result"]),
+                severity: text(&result["severity"]),
+                timestamp: result["timestamp"]["seconds"].as_i64().unwrap(),
+                properties: serde_json::from_value(result["properties"].clone()).unwrap(),
+            });
+        }
+    }
+    rows
+}
+
+fn column(table: &Table, name: &str) -> usize {
+    table
+        .columns
+        .iter()
+        .position(|c| c == name)
+        .unwrap_or_else(|| panic!("no column {name} in {:?}", table.columns))
+}
+
+fn text_of(table: &Table, row: &[Value], name: &str) -> String {
+    match &row[column(table, name)] {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn number_of(table: &Table, row: &[Value], name: &str) -> i64 {
+    row[column(table, name)]
+        .as_i64()
+        .unwrap_or_else(|| panic!("{name} is not an integer: {row:?}"))
+}
+
+fn filter() -> ResultFilter {
+    ResultFilter {
+        cluster_id: CLUSTER.into(),
+        ..ResultFilter::default()
+    }
+}
+
+async fn ask(db: &DatabaseConnection, question: Question) -> Table {
+    analytics::run_question(db, &question)
+        .await
+        .unwrap_or_else(|e| panic!("{question:?}: {e}"))
+}
+
+async fn failing_results(db: &DatabaseConnection, all: &[Row], backend: Backend) {
+    let narrowed = ResultFilter {
+        policy: Some("disallow-host-namespaces".into()),
+        namespace: Some("team-b".into()),
+        kind: Some("Pod".into()),
+        severity: Some("medium".into()),
+        ..filter()
+    };
+    let by_source = ResultFilter {
+        source: Some("Trivy Vulnerability".into()),
+        category: Some("Vulnerability Scan".into()),
+        ..filter()
+    };
+    for filter in [filter(), narrowed, by_source] {
+        let answer = ask(
+            db,
+            Question::Failing {
+                filter: filter.clone(),
+                limit: 1000,
+            },
+        )
+        .await;
+        let got: Vec<(String, String, String, String)> = answer
+            .rows
+            .iter()
+            .map(|r| {
+                let t = |c| text_of(&answer, r, c);
+                (t("namespace"), t("subject_name"), t("policy"), t("rule"))
+            })
+            .collect();
+        let same = |want: &Option<String>, have: &str| want.as_deref().is_none_or(|w| w == have);
+        let mut want: Vec<(String, String, String, String)> = all
+            .iter()
+            .filter(|r| r.cluster == CLUSTER && r.result == "fail")
+            .filter(|r| same(&filter.policy, &r.policy) && same(&filter.namespace, &r.namespace))
+            .filter(|r| same(&filter.kind, &r.kind) && same(&filter.severity, &r.severity))
+            .filter(|r| same(&filter.source, &r.source))
+            .map(|r| {
+                (
+                    r.namespace.clone(),
+                    r.subject.clone(),
+                    r.policy.clone(),
+                    r.rule.clone(),
+                )
+            })
+            .collect();
+        want.sort();
+        let mut sorted = got.clone();
+        sorted.sort();
+        assert_eq!(sorted, want, "{backend:?} {filter:?}");
+        assert!(
+            !want.is_empty(),
+            "{filter:?}: the fixtures have such failures"
+        );
+        // Ordered by namespace first (then kind, subject, policy, rule).
+        assert!(got.windows(2).all(|w| w[0].0 <= w[1].0), "{got:?}");
+    }
+    let limited = ask(
+        db,
+        Question::Failing {
+            filter: filter(),
+            limit: 3,
+        },
+    )
+    .await;
+    assert_eq!(limited.rows.len(), 3, "{backend:?}: --limit");
+}
+
+/// pass, fail, warn, error, skip, total of `rows`.
+fn counts<'r>(rows: impl Iterator<Item = &'r Row>) -> [i64; 6] {
+    let mut counts = [0; 6];
+    for row in rows {
+        let i = ["pass", "fail", "warn", "error", "skip"]
+            .iter()
+            .position(|o| *o == row.result)
+            .unwrap();
+        counts[i] += 1;
+        counts[5] += 1;
+    }
+    counts
+}
+
+fn check_counters(table: &Table, row: &[Value], want: [i64; 6], context: &str) {
+    let got: Vec<i64> = ["pass", "fail", "warn", "error", "skip", "total"]
+        .iter()
+        .map(|c| number_of(table, row, c))
+        .collect();
+    assert_eq!(got, want, "{context}");
+    let judged = (want[0] + want[1] + want[2] + want[3]) as f64;
+    let ratio = row[column(table, "ratio")].as_f64().expect("a ratio");
+    assert!(
+        (ratio - want[0] as f64 / judged).abs() < 1e-9,
+        "{context}: {ratio}"
+    );
+}
+
+async fn compliance(db: &DatabaseConnection, all: &[Row], backend: Backend) {
+    let ask_by = |by, filter| Question::Compliance { by, filter };
+    let by_namespace = ask(db, ask_by(Grouping::Namespace, filter())).await;
+    let namespaces: BTreeSet<&str> = all
+        .iter()
+        .filter(|r| r.cluster == CLUSTER)
+        .map(|r| r.namespace.as_str())
+        .collect();
+    assert_eq!(by_namespace.rows.len(), namespaces.len(), "{backend:?}");
+    for row in &by_namespace.rows {
+        let namespace = text_of(&by_namespace, row, "namespace");
+        let want = counts(
+            all.iter()
+                .filter(|r| r.cluster == CLUSTER && r.namespace == namespace),
+        );
+        check_counters(
+            &by_namespace,
+            row,
+            want,
+            &format!("{backend:?} {namespace}"),
+        );
+    }
+    let one = ResultFilter {
+        namespace: Some("payments".into()),
+        ..filter()
+    };
+    assert_eq!(
+        ask(db, ask_by(Grouping::Namespace, one)).await.rows.len(),
+        1
+    );
+
+    let kyverno = ResultFilter {
+        source: Some("kyverno".into()),
+        ..filter()
+    };
+    let by_policy = ask(db, ask_by(Grouping::Policy, kyverno)).await;
+    let policies: BTreeSet<&str> = all
+        .iter()
+        .filter(|r| r.cluster == CLUSTER && r.source == "kyverno")
+        .map(|r| r.policy.as_str())
+        .collect();
+    assert_eq!(by_policy.rows.len(), policies.len(), "{backend:?}");
+    for row in &by_policy.rows {
+        let policy = text_of(&by_policy, row, "policy");
+        let want = counts(
+            all.iter()
+                .filter(|r| r.cluster == CLUSTER && r.source == "kyverno" && r.policy == policy),
+        );
+        check_counters(&by_policy, row, want, &format!("{backend:?} {policy}"));
+    }
+
+    let by_cluster = ask(db, ask_by(Grouping::Cluster, filter())).await;
+    let clusters: Vec<String> = by_cluster
+        .rows
+        .iter()
+        .map(|r| text_of(&by_cluster, r, "cluster_id"))
+        .collect();
+    assert_eq!(clusters, [CLUSTER, OTHER_CLUSTER], "{backend:?}");
+    for row in &by_cluster.rows {
+        let cluster = text_of(&by_cluster, row, "cluster_id");
+        let want = counts(all.iter().filter(|r| r.cluster == cluster));
+        check_counters(&by_cluster, row, want, &format!("{backend:?} {cluster}"));
+    }
+}
+
+async fn top_failing(db: &DatabaseConnection, all: &[Row], backend: Backend) {
+    let answer = ask(
+        db,
+        Question::TopFailing {
+            filter: filter(),
+            limit: 3,
+        },
+    )
+    .await;
+    let mut per_resource: BTreeMap<(String, String, String), (i64, BTreeSet<String>)> =
+        BTreeMap::new();
+    for row in all
+        .iter()
+        .filter(|r| r.cluster == CLUSTER && r.result == "fail")
+    {
+        let entry = per_resource
+            .entry((
+                row.subject_namespace.clone(),
+                row.subject.clone(),
+                row.kind.clone(),
+            ))
+            .or_default();
+        entry.0 += 1;
+        entry.1.insert(row.policy.clone());
+    }
+    let mut want: Vec<_> = per_resource.into_iter().collect();
+    want.sort_by(|a, b| b.1.0.cmp(&a.1.0).then(a.0.cmp(&b.0)));
+    want.truncate(3);
+    let got: Vec<(String, String, i64, i64)> = answer
+        .rows
+        .iter()
+        .map(|r| {
+            (
+                text_of(&answer, r, "subject_namespace"),
+                text_of(&answer, r, "subject_name"),
+                number_of(&answer, r, "failures"),
+                number_of(&answer, r, "policies"),
+            )
+        })
+        .collect();
+    let want: Vec<(String, String, i64, i64)> = want
+        .into_iter()
+        .map(|((ns, name, _), (failures, policies))| (ns, name, failures, policies.len() as i64))
+        .collect();
+    assert_eq!(got, want, "{backend:?}");
+}
+
+async fn properties(db: &DatabaseConnection, all: &[Row], backend: Backend) {
+    // The CVSS question: every result scored 8.0 or more.
+    let question = |conditions: &[&str]| Question::Properties {
+        filter: filter(),
+        conditions: conditions.iter().map(|c| c.parse().unwrap()).collect(),
+        limit: 1000,
+    };
+    let score = |r: &Row| {
+        r.properties
+            .get("score")
+            .and_then(|s| s.parse::<f64>().ok())
+    };
+    let answer = ask(db, question(&["score>=8.0"])).await;
+    let got: BTreeSet<(String, String, String)> = answer
+        .rows
+        .iter()
+        .map(|r| {
+            let t = |c| text_of(&answer, r, c);
+            (t("subject_name"), t("policy"), t("score"))
+        })
+        .collect();
+    let want: BTreeSet<(String, String, String)> = all
+        .iter()
+        .filter(|r| r.cluster == CLUSTER && score(r).is_some_and(|s| s >= 8.0))
+        .map(|r| {
+            (
+                r.subject.clone(),
+                r.policy.clone(),
+                r.properties["score"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(got, want, "{backend:?}");
+    assert_eq!(got.len(), 4, "{backend:?}: 9.8 twice, 9.1, 8.1");
+
+    let combined = ask(
+        db,
+        question(&["score<9", "installedVersion!=252.17-1", "score>-1"]),
+    )
+    .await;
+    let want: usize = all
+        .iter()
+        .filter(|r| score(r).is_some_and(|s| s < 9.0))
+        .filter(|r| r.properties["installedVersion"] != "252.17-1")
+        .count();
+    assert_eq!(combined.rows.len(), want, "{backend:?}: {combined:?}");
+
+    let one = ask(
+        db,
+        question(&[
+            "vulnerabilityID=CVE-2024-45490",
+            "artifact.repository=payments/checkout",
+        ]),
+    )
+    .await;
+    assert_eq!(one.rows.len(), 1, "{backend:?}: {one:?}");
+    assert_eq!(text_of(&one, &one.rows[0], "subject_name"), "checkout");
+    assert_eq!(
+        text_of(&one, &one.rows[0], "artifact.repository"),
+        "payments/checkout"
+    );
+}
+
+async fn views(db: &DatabaseConnection, all: &[Row], backend: Backend) {
+    let sql = |s: &'static str| async move {
+        analytics::run_sql(db, s)
+            .await
+            .unwrap_or_else(|e| panic!("{backend:?} {s}: {e}"))
+    };
+    // latest_results: one row per resource and rule, the newest.
+    let latest = sql(
+        "SELECT subject_name, policy, rule, result, timestamp FROM latest_results \
+                      WHERE cluster_id = 'default'",
+    )
+    .await;
+    let mut newest: BTreeMap<(String, String, String, String), (i64, String)> = BTreeMap::new();
+    for row in all.iter().filter(|r| r.cluster == CLUSTER) {
+        let key = (
+            row.subject.clone(),
+            row.source.clone(),
+            row.policy.clone(),
+            row.rule.clone(),
+        );
+        let entry = newest.entry(key).or_insert((i64::MIN, String::new()));
+        if row.timestamp > entry.0 {
+            *entry = (row.timestamp, row.result.clone());
+        }
+    }
+    assert_eq!(latest.rows.len(), newest.len(), "{backend:?}");
+    let stale_failures = latest
+        .rows
+        .iter()
+        .filter(|r| text_of(&latest, r, "subject_name") == "pod-2")
+        .filter(|r| text_of(&latest, r, "result") == "fail")
+        .count();
+    assert_eq!(
+        stale_failures, 1,
+        "{backend:?}: pod-2's newer scan fails one rule"
+    );
+
+    // result_properties: one row per result and property.
+    let properties = sql("SELECT property, value FROM result_properties \
+                          WHERE cluster_id = 'default' AND policy = 'CVE-2023-50387'")
+    .await;
+    let got: BTreeMap<String, String> = properties
+        .rows
+        .iter()
+        .map(|r| {
+            (
+                text_of(&properties, r, "property"),
+                text_of(&properties, r, "value"),
+            )
+        })
+        .collect();
+    let want = &all
+        .iter()
+        .find(|r| r.policy == "CVE-2023-50387")
+        .unwrap()
+        .properties;
+    assert_eq!(&got, want, "{backend:?}");
+    let total = sql("SELECT COUNT(*) AS n FROM result_properties").await;
+    let want: usize = all.iter().map(|r| r.properties.len()).sum();
+    assert_eq!(
+        number_of(&total, &total.rows[0], "n"),
+        want as i64,
+        "{backend:?}"
+    );
+}
+
+async fn read_only(db: &DatabaseConnection, backend: Backend) {
+    let count = "SELECT COUNT(*) AS n FROM objects";
+    let before = analytics::run_sql(db, count).await.unwrap();
+    let mut writes = vec!["DELETE FROM objects", "UPDATE store_state SET rv = rv + 1"];
+    if backend == Backend::Sqlite {
+        // SQLite runs every statement of the text: the file itself is open read-only.
+        writes.push("PRAGMA query_only = OFF; DELETE FROM objects");
+    }
+    for write in writes {
+        let error = analytics::run_sql(db, write).await.unwrap_err();
+        assert!(
+            matches!(error, AnalyticsError::AdHoc(_)),
+            "{backend:?} {write}: {error:?}"
+        );
+        let message = error.to_string();
+        assert!(
+            message.contains("read-only transaction: statements that write are refused")
+                && message.to_lowercase().contains("read"),
+            "{backend:?} {write}: {message}"
+        );
+    }
+    let after = analytics::run_sql(db, count).await.unwrap();
+    assert_eq!(after, before, "{backend:?}: nothing deleted");
+    assert!(number_of(&after, &after.rows[0], "n") > 0);
+}
+
+async fn outputs(db: &DatabaseConnection, backend: Backend) {
+    let answer = ask(
+        db,
+        Question::Compliance {
+            by: Grouping::Namespace,
+            filter: filter(),
+        },
+    )
+    .await;
+    let json: Value = serde_json::from_str(&answer.render(Output::Json).unwrap()).unwrap();
+    let yaml: Value = serde_yaml::from_str(&answer.render(Output::Yaml).unwrap()).unwrap();
+    assert_eq!(json, yaml, "{backend:?}");
+    assert_eq!(json.as_array().unwrap().len(), answer.rows.len());
+    let csv = answer.render(Output::Csv).unwrap();
+    assert_eq!(
+        csv.lines().count(),
+        answer.rows.len() + 1,
+        "{backend:?}: header and rows"
+    );
+    let table = answer.render(Output::Table).unwrap();
+    assert!(table.starts_with("NAMESPACE"), "{table}");
+}
+
+#[tokio::test]
+async fn named_questions_and_views_answer_from_the_fixtures_on_every_backend() {
+    for backend in Backend::ALL {
+        let temporary = tempfile::tempdir().unwrap();
+        let keep = std::env::var_os("REPORTS_SERVER_ANALYTICS_KEEP").map(std::path::PathBuf::from);
+        let dir = match (&keep, backend) {
+            (Some(dir), Backend::Sqlite) => dir.clone(),
+            _ => temporary.path().to_owned(),
+        };
+        let url = backend
+            .database_url(&dir)
+            .unwrap_or_else(|e| panic!("{backend:?}: {e:#}"));
+        let all = rows(&seed(&url).await);
+        let db = analytics::connect_read_only(&url, std::time::Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+        failing_results(&db, &all, backend).await;
+        compliance(&db, &all, backend).await;
+        top_failing(&db, &all, backend).await;
+        properties(&db, &all, backend).await;
+        views(&db, &all, backend).await;
+        read_only(&db, backend).await;
+        outputs(&db, backend).await;
+    }
+}
