@@ -257,13 +257,20 @@ pub async fn run(args: QueryArgs) -> anyhow::Result<()> {
              see `reports-server query --help`"
         ),
     };
+    if table.rows.is_empty() && matches!(output, Output::Table) {
+        // As kubectl says "No resources found": an empty table would print nothing at all.
+        eprintln!("no rows");
+    }
     print!("{}", table.render(output)?);
     Ok(())
 }
 
 fn older_schema_hint(error: AnalyticsError) -> anyhow::Error {
-    let text = error.to_string();
-    let older = VIEWS.iter().any(|view| text.contains(view));
+    let older =
+        std::iter::successors(Some(&error as &dyn std::error::Error), |e| e.source()).any(|e| {
+            let text = e.to_string();
+            VIEWS.iter().any(|view| text.contains(view))
+        });
     let error = anyhow::Error::new(error);
     if older {
         error.context(

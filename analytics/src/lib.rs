@@ -33,12 +33,12 @@ pub enum AnalyticsError {
          'score>=8.0' or 'vulnerabilityID=CVE-2024-1234'; OP is one of = != > >= < <=)"
     )]
     InvalidCondition { expression: String, reason: String },
-    #[error("cannot open the database read-only: {0}")]
+    #[error("cannot open the database read-only (is the URL right, and the database up?)")]
     Connect(#[source] sea_orm::DbErr),
-    #[error("the database refused the query: {0}")]
+    #[error("the database refused the query")]
     Query(#[source] sea_orm::DbErr),
     #[error(
-        "the database refused the statement: {0} (`--sql` runs in a read-only transaction: \
+        "the database refused the statement (`--sql` runs in a read-only transaction: \
          statements that write are refused; change reports through the Kubernetes API)"
     )]
     AdHoc(#[source] sea_orm::DbErr),

@@ -125,6 +125,8 @@ fn fixtures() -> Vec<Fixture> {
         pss(CLUSTER, "payments", 6, &[2, 8], 0),
         pss(OTHER_CLUSTER, "team-a", 7, &[0, 1], 0),
     ];
+    // A property name with a quote and a backslash: MySQL's view builds a JSON path from it.
+    all.last_mut().unwrap().report["results"][0]["properties"]["odd\"key\\"] = json!("kept");
     // pod-2 reported a second time, an hour earlier, under another name: `latest_results`
     // keeps the newer result of each rule.
     let mut stale = pss(CLUSTER, "team-a", 2, &[0, 1, 2], 3600);
@@ -634,6 +636,23 @@ async fn views(db: &DatabaseConnection, all: &[Row], backend: Backend) {
         .unwrap()
         .properties;
     assert_eq!(&got, want, "{backend:?}");
+    // docs/analytics.md's CVSS question in SQL, as written there for each backend.
+    let cvss = analytics::run_sql(db, documented_cvss_sql(backend))
+        .await
+        .unwrap();
+    let want = all
+        .iter()
+        .filter(|r| r.cluster == CLUSTER)
+        .filter_map(|r| r.properties.get("score")?.parse::<f64>().ok())
+        .filter(|score| *score >= 8.0)
+        .count();
+    assert_eq!(cvss.rows.len(), want, "{backend:?}: {cvss:?}");
+    let odd = sql("SELECT property, value FROM result_properties WHERE value = 'kept'").await;
+    assert_eq!(
+        odd.rows,
+        [[json!("odd\"key\\"), json!("kept")]],
+        "{backend:?}"
+    );
     let total = sql("SELECT COUNT(*) AS n FROM result_properties").await;
     let want: usize = all.iter().map(|r| r.properties.len()).sum();
     assert_eq!(
@@ -641,6 +660,26 @@ async fn views(db: &DatabaseConnection, all: &[Row], backend: Backend) {
         want as i64,
         "{backend:?}"
     );
+}
+
+fn documented_cvss_sql(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Sqlite => {
+            "SELECT namespace, subject_name, policy, value AS score FROM result_properties \
+             WHERE property = 'score' AND value GLOB '[0-9]*' AND CAST(value AS REAL) >= 8.0 \
+             AND cluster_id = 'default'"
+        }
+        Backend::Postgres => {
+            "SELECT namespace, subject_name, policy, value AS score FROM result_properties \
+             WHERE property = 'score' AND CASE WHEN value ~ '^[0-9]+([.][0-9]+)?$' \
+             THEN CAST(value AS DOUBLE PRECISION) END >= 8.0 AND cluster_id = 'default'"
+        }
+        Backend::MariaDb => {
+            "SELECT namespace, subject_name, policy, value AS score FROM result_properties \
+             WHERE property = 'score' AND value REGEXP '^[0-9]+([.][0-9]+)?$' \
+             AND CAST(value AS DOUBLE) >= 8.0 AND cluster_id = 'default'"
+        }
+    }
 }
 
 async fn read_only(db: &DatabaseConnection, backend: Backend) {
@@ -657,11 +696,20 @@ async fn read_only(db: &DatabaseConnection, backend: Backend) {
             matches!(error, AnalyticsError::AdHoc(_)),
             "{backend:?} {write}: {error:?}"
         );
-        let message = error.to_string();
+        let told = error.to_string();
         assert!(
-            message.contains("read-only transaction: statements that write are refused")
-                && message.to_lowercase().contains("read"),
-            "{backend:?} {write}: {message}"
+            told.contains("read-only transaction: statements that write are refused"),
+            "{backend:?} {write}: {told}"
+        );
+        // The database's own words say why: PostgreSQL's and MySQL's read-only transaction,
+        // SQLite's read-only database.
+        let cause = std::error::Error::source(&error)
+            .unwrap()
+            .to_string()
+            .to_lowercase();
+        assert!(
+            cause.contains("read") && cause.contains("only"),
+            "{backend:?} {write}: {cause}"
         );
     }
     let after = analytics::run_sql(db, count).await.unwrap();
