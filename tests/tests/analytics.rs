@@ -712,6 +712,16 @@ async fn read_only(db: &DatabaseConnection, backend: Backend) {
             "{backend:?} {write}: {cause}"
         );
     }
+    // Leaving the read-only transaction first: PostgreSQL and MySQL refuse a second statement
+    // in a prepared query, SQLite's connection stays read-only.
+    for escape in [
+        "COMMIT; DELETE FROM objects",
+        "SET TRANSACTION READ WRITE; DELETE FROM objects",
+        "ROLLBACK; SET SESSION TRANSACTION READ WRITE; DELETE FROM objects",
+    ] {
+        let refused = analytics::run_sql(db, escape).await;
+        assert!(refused.is_err(), "{backend:?} {escape}: {refused:?}");
+    }
     let after = analytics::run_sql(db, count).await.unwrap();
     assert_eq!(after, before, "{backend:?}: nothing deleted");
     assert!(number_of(&after, &after.rows[0], "n") > 0);
