@@ -1,14 +1,17 @@
-//! Helpers of the operator's end-to-end tests (`e2e_operator`, `e2e_operator_node`): the
-//! repository's manifests as files and documents, and the ReportsServer they install.
+//! Helpers of the end-to-end tests that install through the operator (`e2e_operator`, the node
+//! tests): the repository's manifests as files and documents, the ReportsServer they install,
+//! and the volumes its StatefulSets claim on the node.
 
-use anyhow::{Context, Result, anyhow};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
 use serde::Deserialize as _;
 use serde_json::Value;
 
 use crate::{
     controlplane::workspace_root,
     kubectl::Kubectl,
-    node::{Node, REPORTS_SERVER_IMAGE},
+    node::{Node, REPORTS_SERVER_IMAGE, RunDir},
 };
 
 /// The namespace `manifests/install.yaml` and the examples use.
@@ -83,4 +86,51 @@ pub fn condition<'a>(rs: &'a Value, type_: &str) -> Option<&'a Value> {
         .as_array()?
         .iter()
         .find(|c| c["type"] == type_)
+}
+
+/// Ready at the current generation: the operator has acted on the latest spec.
+pub fn is_ready(rs: &Value) -> bool {
+    condition(rs, "Ready").is_some_and(|c| c["status"] == "True")
+        && rs["status"]["observedGeneration"] == rs["metadata"]["generation"]
+}
+
+/// Waits until the ReportsServer's condition `type_` is True (for Ready: at the current
+/// generation) and returns the object.
+pub async fn wait_condition(kubectl: &Kubectl, type_: &str, timeout: Duration) -> Result<Value> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let rs = rs_json(kubectl).unwrap_or(Value::Null);
+        let met = condition(&rs, type_).is_some_and(|c| c["status"] == "True")
+            && (type_ != "Ready" || is_ready(&rs));
+        if met {
+            return Ok(rs);
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the ReportsServer is not {type_} after {timeout:?}: {}",
+                rs["status"]
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Host-path PersistentVolumes for the StatefulSets' claims (the node has no provisioner).
+pub fn create_volumes(kubectl: &Kubectl, run: &RunDir, n: usize) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mut yaml = String::new();
+    for i in 0..n {
+        let dir = run.path().join(format!("node/pv/pv-{i}"));
+        std::fs::create_dir_all(&dir)?;
+        // Any pod user may write: the server runs as 65532, PostgreSQL's entrypoint as root.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777))?;
+        yaml.push_str(&format!(
+            "---\napiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: e2e-pv-{i}}}\nspec:\n  \
+             capacity: {{storage: 10Gi}}\n  accessModes: [ReadWriteOnce]\n  \
+             persistentVolumeReclaimPolicy: Retain\n  hostPath: {{path: \"{}\", type: Directory}}\n",
+            dir.display()
+        ));
+    }
+    kubectl.run_with_stdin(&["apply", "-f", "-"], Some(&yaml))?;
+    Ok(())
 }

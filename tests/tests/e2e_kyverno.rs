@@ -2051,18 +2051,13 @@ async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
     let errors = env.kyverno.watch_errors(&Controller::ALL, false);
     outcomes.push(Outcome {
         name: "whole run: no list/watch error in Kyverno's logs",
-        error: (!errors.is_empty()).then(|| {
-            format!(
-                "{} lines, first ones:\n{}",
-                errors.len(),
-                errors
-                    .iter()
-                    .take(20)
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            )
-        }),
+        error: log_lines_failure(&errors),
+        took: Duration::ZERO,
+    });
+    let errors = env.kyverno.report_errors(&Controller::ALL);
+    outcomes.push(Outcome {
+        name: "whole run: no ERR line about reports in Kyverno's logs",
+        error: log_lines_failure(&errors),
         took: Duration::ZERO,
     });
     let run = ModeRun {
@@ -2077,6 +2072,14 @@ async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
     }
     env.stop().await?;
     Ok(run)
+}
+
+/// A failure naming the first of `lines`, or none when there are none.
+fn log_lines_failure(lines: &[String]) -> Option<String> {
+    (!lines.is_empty()).then(|| {
+        let first: Vec<&str> = lines.iter().take(20).map(String::as_str).collect();
+        format!("{} lines, first ones:\n{}", lines.len(), first.join("\n"))
+    })
 }
 
 /// Differences between the normalised reports of the two modes.

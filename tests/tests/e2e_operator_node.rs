@@ -36,7 +36,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
 use base64::Engine as _;
 use reports_server_tests::{
     controlplane::workspace_root,
@@ -44,7 +44,9 @@ use reports_server_tests::{
     kube_client_with_retries,
     kubectl::Kubectl,
     node::{self, ApiPoller, Node, POSTGRES_IMAGE, RunDir},
-    operator::{self, NS, condition, manifest, rs_json, yaml_docs},
+    operator::{
+        self, NS, condition, create_volumes, is_ready, manifest, rs_json, wait_condition, yaml_docs,
+    },
 };
 use serde_json::{Value, json};
 
@@ -618,32 +620,6 @@ fn subset_differences(want: &Value, live: &Value, at: &str, out: &mut Vec<String
 
 // ---- the ReportsServer and its objects ------------------------------------------------------
 
-fn is_ready(rs: &Value) -> bool {
-    condition(rs, "Ready").is_some_and(|c| c["status"] == "True")
-        && rs["status"]["observedGeneration"] == rs["metadata"]["generation"]
-}
-
-/// Waits until the ReportsServer's condition `type_` is True (for Ready: at the current
-/// generation) and returns the object.
-async fn wait_condition(kubectl: &Kubectl, type_: &str, timeout: Duration) -> Result<Value> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let rs = rs_json(kubectl).unwrap_or(Value::Null);
-        let met = condition(&rs, type_).is_some_and(|c| c["status"] == "True")
-            && (type_ != "Ready" || is_ready(&rs));
-        if met {
-            return Ok(rs);
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "the ReportsServer is not {type_} after {timeout:?}: {}",
-                rs["status"]
-            );
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-}
-
 /// Deletes the ReportsServer: its APIServices must be gone when the object is, and the garbage
 /// collector then removes what it owned.
 async fn delete_installation(
@@ -811,26 +787,6 @@ async fn wait_pod_replaced(kubectl: &Kubectl, pod: &str, old_uid: &str) -> Resul
         ensure!(Instant::now() < deadline, "{pod} was not recreated");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-}
-
-/// Host-path PersistentVolumes for the StatefulSets' claims (the node has no provisioner).
-fn create_volumes(kubectl: &Kubectl, run: &RunDir, n: usize) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let mut yaml = String::new();
-    for i in 0..n {
-        let dir = run.path().join(format!("node/pv/pv-{i}"));
-        std::fs::create_dir_all(&dir)?;
-        // Any pod user may write: the server runs as 65532, PostgreSQL's entrypoint as root.
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777))?;
-        yaml.push_str(&format!(
-            "---\napiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: e2e-pv-{i}}}\nspec:\n  \
-             capacity: {{storage: 10Gi}}\n  accessModes: [ReadWriteOnce]\n  \
-             persistentVolumeReclaimPolicy: Retain\n  hostPath: {{path: \"{}\", type: Directory}}\n",
-            dir.display()
-        ));
-    }
-    kubectl.run_with_stdin(&["apply", "-f", "-"], Some(&yaml))?;
-    Ok(())
 }
 
 // ---- the user's own PostgreSQL (postgres.external) -------------------------------------------

@@ -163,7 +163,7 @@ impl<'a> Env<'a> {
         operator::install_on_node(node, &kubectl)?;
         postgres(&kubectl, run)?;
         kubectl.run_with_stdin(&["apply", "-f", "-"], Some(&installation()))?;
-        wait_ready(&kubectl).await?;
+        operator::wait_condition(&kubectl, "Ready", READY_TIMEOUT).await?;
         eprintln!(
             "[e2e_outage_node] operator, PostgreSQL and 2 servers Ready in {:.1?}",
             t.elapsed()
@@ -1064,22 +1064,6 @@ async fn gone(kubectl: &Kubectl, ns: &str, deadline: Instant) -> Result<()> {
             bail!("namespace {ns} still exists: {status}");
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-}
-
-async fn wait_ready(kubectl: &Kubectl) -> Result<()> {
-    let deadline = Instant::now() + READY_TIMEOUT;
-    loop {
-        let rs = rs_json(kubectl)?;
-        if condition(&rs, "Ready").is_some_and(|c| c["status"] == "True") {
-            return Ok(());
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "the ReportsServer is not Ready: {}",
-            rs["status"]
-        );
-        tokio::time::sleep(Duration::from_secs(2)).await;
     }
 }
 

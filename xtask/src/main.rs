@@ -28,6 +28,7 @@ use clap::Parser;
 /// past its 5 s bound.
 const ALONE: &[&str] = &[
     "tests/e2e_node",
+    "tests/e2e_kyverno_node",
     "tests/e2e_operator_node",
     "tests/e2e_outage_node",
 ];
