@@ -73,25 +73,29 @@ enum OutputArg {
 #[derive(Subcommand)]
 enum QuestionCommand {
     /// Failing results with their subject, policy, rule and message.
-    Failing(Listed<ResultFilterArgs, 100>),
+    Failing(Listed),
     /// pass, fail, warn, error, skip, total and ratio (pass / (pass + fail + warn + error)) per
     /// namespace, policy or cluster.
     Compliance(ComplianceArgs),
     /// The resources with the most failing results.
-    TopFailing(Listed<ResultFilterArgs, 10>),
+    TopFailing(Listed),
     /// Results whose properties satisfy every --where, e.g. --where 'score>=8.0' on Trivy's
     /// vulnerability reports; shows those properties.
     Properties(PropertiesArgs),
 }
 
 #[derive(Args)]
-struct Listed<F: Args, const LIMIT: u32> {
+struct Listed {
     #[command(flatten)]
-    filter: F,
-    /// At most this many rows.
-    #[arg(long, env = "REPORTS_SERVER_QUERY_LIMIT", default_value_t = LIMIT)]
-    limit: u32,
+    filter: ResultFilterArgs,
+    /// At most this many rows. [default: 10 for top-failing, 100 otherwise]
+    #[arg(long, env = "REPORTS_SERVER_QUERY_LIMIT")]
+    limit: Option<u32>,
 }
+
+/// `--limit`'s default: a top ten of resources, a screenful or two of results.
+const TOP_FAILING_LIMIT: u32 = 10;
+const RESULTS_LIMIT: u32 = 100;
 
 #[derive(Args)]
 struct ResultFilterArgs {
@@ -150,7 +154,7 @@ struct PropertiesArgs {
     #[arg(long = "where", required = true, env = "REPORTS_SERVER_QUERY_WHERE")]
     conditions: Vec<Condition>,
     #[command(flatten)]
-    listed: Listed<ResultFilterArgs, 100>,
+    listed: Listed,
 }
 
 impl ResultFilterArgs {
@@ -172,11 +176,11 @@ impl QuestionCommand {
         match self {
             QuestionCommand::Failing(args) => Question::Failing {
                 filter: args.filter.filter(cluster_id),
-                limit: args.limit,
+                limit: args.limit.unwrap_or(RESULTS_LIMIT),
             },
             QuestionCommand::TopFailing(args) => Question::TopFailing {
                 filter: args.filter.filter(cluster_id),
-                limit: args.limit,
+                limit: args.limit.unwrap_or(TOP_FAILING_LIMIT),
             },
             QuestionCommand::Compliance(args) => Question::Compliance {
                 by: match args.by {
@@ -195,7 +199,7 @@ impl QuestionCommand {
             QuestionCommand::Properties(args) => Question::Properties {
                 filter: args.listed.filter.filter(cluster_id),
                 conditions: args.conditions,
-                limit: args.listed.limit,
+                limit: args.listed.limit.unwrap_or(RESULTS_LIMIT),
             },
         }
     }
@@ -279,5 +283,106 @@ fn older_schema_hint(error: AnalyticsError) -> anyhow::Error {
         )
     } else {
         error
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::{Cli, Command};
+
+    fn parse(line: &str) -> Result<QueryArgs, String> {
+        let words = shell_words(line);
+        match Cli::try_parse_from(words)
+            .map_err(|e| e.to_string())?
+            .command
+        {
+            Command::Query(args) => Ok(*args),
+            _ => Err("not a query".into()),
+        }
+    }
+
+    /// Splits on spaces outside single quotes (enough for these command lines).
+    fn shell_words(line: &str) -> Vec<String> {
+        let mut words = vec![String::new()];
+        let mut quoted = false;
+        for c in line.chars() {
+            match c {
+                '\'' => quoted = !quoted,
+                ' ' if !quoted => words.push(String::new()),
+                c => words.last_mut().unwrap().push(c),
+            }
+        }
+        words
+    }
+
+    #[test]
+    fn filters_and_shared_flags_reach_the_question_wherever_they_are_written() {
+        let args = parse(
+            "reports-server query -o csv failing --policy p --namespace '' --severity high \
+             --kind Pod --limit 5 --cluster-id east",
+        )
+        .unwrap();
+        assert!(matches!(args.connection.output, OutputArg::Csv));
+        let question = args.question.unwrap().question(args.connection.cluster_id);
+        assert_eq!(
+            question,
+            Question::Failing {
+                filter: ResultFilter {
+                    cluster_id: "east".into(),
+                    policy: Some("p".into()),
+                    namespace: Some(String::new()),
+                    severity: Some("high".into()),
+                    kind: Some("Pod".into()),
+                    ..ResultFilter::default()
+                },
+                limit: 5,
+            }
+        );
+    }
+
+    #[test]
+    fn each_question_has_its_defaults() {
+        let args = parse("reports-server query top-failing").unwrap();
+        assert!(matches!(
+            args.question.unwrap().question("default".into()),
+            Question::TopFailing { limit: 10, .. }
+        ));
+        let args = parse("reports-server query failing").unwrap();
+        assert!(matches!(
+            args.question.unwrap().question("default".into()),
+            Question::Failing { limit: 100, .. }
+        ));
+        let args = parse("reports-server query compliance").unwrap();
+        assert!(matches!(
+            args.question.unwrap().question("default".into()),
+            Question::Compliance {
+                by: Grouping::Namespace,
+                ..
+            }
+        ));
+        let args = parse("reports-server query --sql 'SELECT 1'").unwrap();
+        assert!(args.question.is_none());
+        assert_eq!(args.sql.as_deref(), Some("SELECT 1"));
+    }
+
+    #[test]
+    fn property_conditions_are_required_and_checked_while_parsing() {
+        let args =
+            parse("reports-server query properties --where 'score>=8.0' --where a.b=c").unwrap();
+        let Question::Properties { conditions, .. } =
+            args.question.unwrap().question("default".into())
+        else {
+            panic!("not a properties question");
+        };
+        assert_eq!(conditions.len(), 2);
+        let missing = parse("reports-server query properties").err().unwrap();
+        assert!(missing.contains("--where"), "{missing}");
+        let invalid = parse("reports-server query properties --where 'score'")
+            .err()
+            .unwrap();
+        assert!(invalid.contains("no operator"), "{invalid}");
     }
 }
