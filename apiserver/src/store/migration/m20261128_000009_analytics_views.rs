@@ -5,7 +5,9 @@
 //!
 //! The views only read `report_results`; they hold no data, so `up` and `down` are cheap and
 //! `down` drops them (the downgrade in docs/sql-schema.md). Their text is frozen here: a later
-//! change of a view is a new migration, as for tables.
+//! change of a view is a new migration, as for tables. A later migration that replaces
+//! `report_results` drops these views first (PostgreSQL refuses to drop a view that others
+//! read) and creates them again after.
 
 use sea_orm::DbBackend;
 use sea_orm_migration::prelude::*;
@@ -85,7 +87,9 @@ fn latest_results_view() -> String {
 }
 
 /// One row per result and property (`properties` is a JSON object of strings): each backend
-/// unnests JSON its own way. MySQL has no function listing an object's members, so it lists the
+/// unnests JSON its own way. PostgreSQL's `jsonb_each_text` fails the whole query on anything
+/// but an object, hence its guard (MySQL's `JSON_KEYS` gives NULL, SQLite's `json_each` the
+/// elements). MySQL has no function listing an object's members, so it lists the
 /// keys and extracts each by a quoted path (a `"` or `\` inside a key is escaped for the path).
 fn result_properties_view(backend: DbBackend) -> String {
     let identity = "rr.cluster_id, rr.resource, rr.namespace, rr.report_name, rr.source, \
@@ -95,7 +99,9 @@ fn result_properties_view(backend: DbBackend) -> String {
         DbBackend::Postgres => format!(
             "CREATE VIEW result_properties AS SELECT {identity}, p.key AS property, \
              p.value AS value FROM report_results rr \
-             CROSS JOIN LATERAL jsonb_each_text(CAST(rr.properties AS jsonb)) p"
+             CROSS JOIN LATERAL jsonb_each_text(CASE \
+             WHEN jsonb_typeof(CAST(rr.properties AS jsonb)) = 'object' \
+             THEN CAST(rr.properties AS jsonb) END) p"
         ),
         DbBackend::MySql => format!(
             "CREATE VIEW result_properties AS SELECT {identity}, k.property AS property, \
