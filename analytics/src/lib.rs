@@ -14,6 +14,9 @@
 //! * [`render`]: a [`Table`] as `table`, `json`, `csv` or `yaml`.
 
 #![forbid(unsafe_code)]
+// Every production function fits on a screen (threshold in clippy.toml); tests may be longer.
+#![warn(clippy::too_many_lines)]
+#![cfg_attr(test, allow(clippy::too_many_lines))]
 
 pub mod condition;
 pub mod question;
