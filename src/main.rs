@@ -138,9 +138,20 @@ pub struct DatabaseArgs {
     /// Directory for the embedded database, certificates and kubeconfig.
     #[arg(long, env = "REPORTS_SERVER_DATA_DIR", default_value_t = default_data_dir())]
     data_dir: String,
-    /// Partition key so several clusters can share one database.
+    /// Partition key so several clusters can share one database. In delegated mode the first
+    /// server of a cluster records the cluster (its kube-system namespace UID) on the id, and a
+    /// server of another cluster refuses to start on it.
     #[arg(long, env = "REPORTS_SERVER_CLUSTER_ID", default_value = "default")]
     cluster_id: String,
+    /// Take --cluster-id over for this cluster even though the database recorded another one
+    /// for it: for a cluster rebuilt from scratch (a new kube-system UID) that keeps its reports.
+    /// Start once with it, then without.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_RECLAIM_CLUSTER_ID",
+        default_value_t = false
+    )]
+    reclaim_cluster_id: bool,
     /// Maximum database connections of this process.
     #[arg(long, env = "REPORTS_SERVER_DB_MAX_CONNECTIONS", default_value_t = 10)]
     db_max_connections: u32,
@@ -325,6 +336,7 @@ impl DatabaseArgs {
     pub(crate) fn store_options(&self) -> anyhow::Result<StoreOptions> {
         let mut options = StoreOptions::new(self.url()?);
         options.cluster_id = self.cluster_id.clone();
+        options.reclaim_cluster_id = self.reclaim_cluster_id;
         options.max_connections = self.db_max_connections;
         options.connect_timeout = std::time::Duration::from_secs(self.db_connect_timeout_seconds);
         options.probe_timeout = std::time::Duration::from_millis(self.db_probe_timeout_ms);

@@ -407,7 +407,11 @@ async fn to_crds(args: ToCrdsArgs) -> anyhow::Result<()> {
 async fn connect(c: &ClusterArgs, db: &DatabaseArgs) -> anyhow::Result<(Cluster, Registry)> {
     anyhow::ensure!(c.page_size > 0, "--page-size must be at least 1");
     let client = crate::cluster_client(c.kubeconfig.as_deref()).await?;
-    let store = Store::connect(db.store_options()?)
+    // The same check as a server's: moving this cluster's reports under an id another cluster
+    // holds would mix the two.
+    let mut options = db.store_options()?;
+    options.cluster_uid = Some(reports_server_apiserver::delegated::cluster_uid(&client).await?);
+    let store = Store::connect(options)
         .await
         .context("cannot open the database")?;
     Ok((Cluster::new(client), Registry::new(store, None)))

@@ -69,6 +69,24 @@ pub enum DelegationError {
     ConfigMap(kube::Error),
     #[error("invalid {0} in kube-system/{CONFIGMAP}: {1}")]
     Invalid(&'static str, String),
+    #[error(
+        "cannot read the kube-system namespace, whose UID tells this cluster's reports apart in a shared database: {0} (the server's service account needs get on namespaces)"
+    )]
+    ClusterUid(kube::Error),
+    #[error("the kube-system namespace has no metadata.uid")]
+    NoClusterUid,
+}
+
+/// The UID of the `kube-system` namespace: it lives as long as the cluster, so it names the
+/// cluster (as the peer's default cluster id does).
+pub async fn cluster_uid(client: &kube::Client) -> Result<String, DelegationError> {
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
+        kube::Api::all(client.clone());
+    let namespace = namespaces
+        .get("kube-system")
+        .await
+        .map_err(DelegationError::ClusterUid)?;
+    namespace.metadata.uid.ok_or(DelegationError::NoClusterUid)
 }
 
 fn verifier(roots: &RootCertStore) -> Result<Option<Arc<dyn ClientCertVerifier>>, String> {

@@ -127,7 +127,11 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, StartError> {
         .serving
         .clone()
         .unwrap_or_else(|| pki.serving.clone());
-    let store = Store::connect_or_wait(config.store.clone()).await?;
+    let mut store_options = config.store.clone();
+    if let AuthMode::Delegated(client) = &config.auth {
+        store_options.cluster_uid = Some(crate::delegated::cluster_uid(client).await?);
+    }
+    let store = Store::connect_or_wait(store_options).await?;
     let listener = server::bind(config.bind).await?;
     let addr = listener
         .local_addr()

@@ -120,6 +120,16 @@ pub struct ReportsServerSpec {
     /// admitted (on GKE, outside kube-system, only with a ResourceQuota scoped to it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub priority_class_name: Option<String>,
+    /// This cluster's partition of a database several clusters share (`--cluster-id`)
+    /// [default: `default`]. Give each cluster writing to one database its own: the first
+    /// server of a cluster records the cluster (its kube-system namespace UID) on the id, and a
+    /// server of another cluster refuses to start on it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 64),
+        pattern(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+    )]
+    pub cluster_id: Option<String>,
     /// Extra arguments appended to `reports-server serve`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub extra_args: Vec<String>,
@@ -426,6 +436,7 @@ impl Default for ReportsServerSpec {
             topology_spread_constraints: Vec::new(),
             image_pull_secrets: Vec::new(),
             priority_class_name: None,
+            cluster_id: None,
             extra_args: Vec::new(),
             extra_env: Vec::new(),
             groups: GroupsSpec::default(),

@@ -717,6 +717,9 @@ pub fn server_args(rs: &ReportsServer, db: &Database) -> Vec<String> {
         // aggregator; without it a rolling update fails the requests routed in that window.
         format!("--shutdown-delay-seconds={SHUTDOWN_DELAY_SECONDS}"),
     ];
+    if let Some(id) = &spec.cluster_id {
+        args.push(format!("--cluster-id={id}"));
+    }
     if a.enabled {
         args.push(format!("--aggregation-delay={}", a.delay));
         args.push(format!("--aggregation-layout={}", a.layout));
@@ -1053,6 +1056,24 @@ mod tests {
             );
         }
         assert!(check_image(&with("anything:1"), &["*".to_string()]).is_ok());
+    }
+
+    #[test]
+    fn a_cluster_id_reaches_the_server_only_when_set() {
+        let db = Database::Sqlite {
+            storage_size: "1Gi".into(),
+            storage_class: None,
+        };
+        let unset = server_args(&rs(ReportsServerSpec::default()), &db);
+        assert!(!unset.iter().any(|a| a.starts_with("--cluster-id")));
+        let set = server_args(
+            &rs(ReportsServerSpec {
+                cluster_id: Some("east".into()),
+                ..Default::default()
+            }),
+            &db,
+        );
+        assert!(set.contains(&"--cluster-id=east".to_string()));
     }
 
     #[test]

@@ -1,6 +1,18 @@
 //! Small accessors the API-level tests share: what they read off objects, lists and errors.
 
-use kube::api::{Api, DynamicObject, ListParams};
+use kube::api::{Api, ApiResource, DynamicObject, ListParams};
+use reports_server_crds::catalog::ResourceDescriptor;
+
+/// A served kind as kube-rs's dynamic API wants it.
+pub fn api_resource(kind: &ResourceDescriptor) -> ApiResource {
+    ApiResource {
+        group: kind.group.into(),
+        version: kind.version.into(),
+        api_version: kind.api_version(),
+        kind: kind.kind.into(),
+        plural: kind.plural.into(),
+    }
+}
 
 /// An object's resourceVersion as the number the server promises it is.
 pub fn rv_of(o: &DynamicObject) -> u64 {

@@ -25,13 +25,15 @@ use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod};
 use kube::{
     Api, ResourceExt as _,
-    api::{ApiResource, DynamicObject, ListParams, PostParams},
+    api::{DynamicObject, ListParams, PostParams},
 };
+use reports_server_crds::catalog::{EPHEMERAL_REPORT, POLICY_REPORT};
 use reports_server_tests::{
     kube_client_with_retries,
     kubectl::Kubectl,
     kyverno::{Controller, Kyverno, KyvernoOptions},
     node::{self, Node, RunDir},
+    objects::api_resource,
     operator::{self, NS},
 };
 use serde_json::{Value, json};
@@ -229,8 +231,10 @@ async fn first_reports(client: &kube::Client, ns: &str) -> Result<Times> {
         .context("creating the Deployment")?;
     let deployment_uid = deployment.metadata.uid.context("Deployment without uid")?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let reports = Api::<DynamicObject>::namespaced_with(client.clone(), ns, &policy_reports());
-    let ephemeral = Api::<DynamicObject>::namespaced_with(client.clone(), ns, &ephemeral_reports());
+    let reports =
+        Api::<DynamicObject>::namespaced_with(client.clone(), ns, &api_resource(&POLICY_REPORT));
+    let ephemeral =
+        Api::<DynamicObject>::namespaced_with(client.clone(), ns, &api_resource(&EPHEMERAL_REPORT));
     let mut seen: BTreeMap<String, Duration> = BTreeMap::new();
     let mut ephemeral_seen: BTreeMap<String, Duration> = BTreeMap::new();
     let deadline = t0 + REPORTS_TIMEOUT;
@@ -300,26 +304,6 @@ fn fails_policy(report: &DynamicObject) -> bool {
         .into_iter()
         .flatten()
         .any(|r| r["policy"] == POLICY && r["result"] == "fail")
-}
-
-fn policy_reports() -> ApiResource {
-    ApiResource {
-        group: "wgpolicyk8s.io".into(),
-        version: "v1alpha2".into(),
-        api_version: "wgpolicyk8s.io/v1alpha2".into(),
-        kind: "PolicyReport".into(),
-        plural: "policyreports".into(),
-    }
-}
-
-fn ephemeral_reports() -> ApiResource {
-    ApiResource {
-        group: "reports.kyverno.io".into(),
-        version: "v1".into(),
-        api_version: "reports.kyverno.io/v1".into(),
-        kind: "EphemeralReport".into(),
-        plural: "ephemeralreports".into(),
-    }
 }
 
 /// The ReportsServer: SQLite, defaults everywhere but whether the servers merge.

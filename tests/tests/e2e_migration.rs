@@ -46,13 +46,7 @@ const CHURN_NAMESPACE: &str = "churn";
 const CHURN_NAMES: usize = 40;
 
 fn api_resource(r: &ResourceDescriptor) -> ApiResource {
-    ApiResource {
-        group: r.group.into(),
-        version: r.version.into(),
-        api_version: r.api_version(),
-        kind: r.kind.into(),
-        plural: r.plural.into(),
-    }
+    reports_server_tests::objects::api_resource(r)
 }
 
 fn without_version(mut v: Value) -> Value {

@@ -80,13 +80,7 @@ fn policy_reports(client: &kube::Client) -> Api<DynamicObject> {
 }
 
 fn api_resource() -> ApiResource {
-    ApiResource {
-        group: POLICY_REPORT.group.into(),
-        version: POLICY_REPORT.version.into(),
-        api_version: POLICY_REPORT.api_version(),
-        kind: POLICY_REPORT.kind.into(),
-        plural: POLICY_REPORT.plural.into(),
-    }
+    reports_server_tests::objects::api_resource(&POLICY_REPORT)
 }
 
 fn report(ns: &str, name: &str, pass: i64) -> Value {

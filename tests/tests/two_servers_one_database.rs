@@ -14,13 +14,13 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use kube::api::{
-    Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions,
-    WatchEvent, WatchParams,
+    Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions, WatchEvent,
+    WatchParams,
 };
 use kube::runtime::watcher;
 use reports_server_crds::catalog::POLICY_REPORT;
 use reports_server_tests::Backend;
-use reports_server_tests::objects::{list_rv, name_of, rv_of};
+use reports_server_tests::objects::{api_resource, list_rv, name_of, rv_of};
 use reports_server_tests::server::ServerProcess;
 use serde_json::json;
 
@@ -37,14 +37,7 @@ async fn two_servers_share_one_sqlite_file() {
 }
 
 fn api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
-    let ar = ApiResource {
-        group: POLICY_REPORT.group.into(),
-        version: POLICY_REPORT.version.into(),
-        api_version: POLICY_REPORT.api_version(),
-        kind: POLICY_REPORT.kind.into(),
-        plural: POLICY_REPORT.plural.into(),
-    };
-    Api::namespaced_with(client.clone(), ns, &ar)
+    Api::namespaced_with(client.clone(), ns, &api_resource(&POLICY_REPORT))
 }
 
 fn report(name: &str, pass: i64) -> DynamicObject {

@@ -16,6 +16,7 @@
 
 mod body;
 mod change_log;
+mod cluster_identity;
 pub mod columns;
 mod compaction;
 mod decision;
@@ -91,6 +92,19 @@ pub enum StoreError {
     /// The configuration cannot work (an unknown database URL scheme, …); retrying will not help.
     #[error("invalid database configuration: {0}")]
     Config(String),
+    /// Another cluster's reports are stored under this cluster id (see `cluster_identity`).
+    #[error(
+        "the database holds the reports of another cluster under cluster id {cluster_id:?} \
+         (its kube-system namespace UID is {recorded}, this cluster's is {ours}); two clusters \
+         sharing an id would read and overwrite each other's reports. Give this cluster its own \
+         --cluster-id (the ReportsServer's spec.clusterId), or, if this is the same cluster \
+         rebuilt and it should keep those reports, start once with --reclaim-cluster-id"
+    )]
+    ClusterIdTaken {
+        cluster_id: String,
+        recorded: String,
+        ours: String,
+    },
 }
 
 impl StoreError {
@@ -120,6 +134,15 @@ impl StoreError {
             StoreError::Corrupt(what, why) => StoreError::Corrupt(what.clone(), why.clone()),
             StoreError::AlreadyExists => StoreError::AlreadyExists,
             StoreError::Config(m) => StoreError::Config(m.clone()),
+            StoreError::ClusterIdTaken {
+                cluster_id,
+                recorded,
+                ours,
+            } => StoreError::ClusterIdTaken {
+                cluster_id: cluster_id.clone(),
+                recorded: recorded.clone(),
+                ours: ours.clone(),
+            },
         }
     }
 
@@ -237,6 +260,12 @@ pub struct StoreOptions {
     /// Partition key so several clusters can share one database (the peer uses the kube-system
     /// namespace UID).
     pub cluster_id: String,
+    /// The cluster this process serves (the `kube-system` namespace's UID), when it knows it:
+    /// the store then refuses to start on a `cluster_id` recorded for another cluster.
+    pub cluster_uid: Option<String>,
+    /// Take `cluster_id` over for `cluster_uid` whatever cluster it was recorded for (a cluster
+    /// rebuilt with a new UID that keeps its reports).
+    pub reclaim_cluster_id: bool,
     pub max_connections: u32,
     /// How long an operation waits for a database connection (and a new connection for the
     /// server to answer) before it fails; requests then get 503 instead of hanging.
@@ -271,6 +300,8 @@ impl StoreOptions {
         StoreOptions {
             database_url: database_url.into(),
             cluster_id: "default".into(),
+            cluster_uid: None,
+            reclaim_cluster_id: false,
             max_connections: 10,
             connect_timeout: Duration::from_secs(10),
             watch_history: Duration::from_secs(600),
@@ -369,6 +400,16 @@ impl Store {
     async fn start(&self) -> Result<(), StoreError> {
         self.migrate().await?;
         self.ensure_state_row().await?;
+        if let Some(ours) = &self.options.cluster_uid {
+            cluster_identity::claim(
+                &self.db,
+                self.backend,
+                &self.cluster_id,
+                ours,
+                self.options.reclaim_cluster_id,
+            )
+            .await?;
+        }
         self.feed.start(self.clone()).await?;
         let mut probe_options = (*self.options).clone();
         probe_options.max_connections = 1;
@@ -398,6 +439,8 @@ impl Store {
                     wait = (wait * 2).min(Duration::from_secs(5));
                 }
                 Err(e) => {
+                    // Data requests say why (a cluster id of another cluster, a newer schema).
+                    self.health.could_not_start(&e);
                     tracing::error!(error = %e, "the database answers but the store cannot start on it; retrying");
                     wait = (wait * 2).min(Duration::from_secs(30));
                 }

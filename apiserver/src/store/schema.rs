@@ -62,6 +62,8 @@ pub enum StoreState {
     ClusterId,
     Rv,
     CompactedRv,
+    /// The cluster the id belongs to (since `m20261128_000010_cluster_identity`).
+    ClusterUid,
 }
 
 /// One row per policy result of a stored report (since `m20261125_000005_lean_results`; the

@@ -91,13 +91,7 @@ async fn start(backend: Backend, dir: &Path, extra: &[&str]) -> ServerProcess {
 }
 
 fn resource(desc: &ResourceDescriptor) -> ApiResource {
-    ApiResource {
-        group: desc.group.into(),
-        version: desc.version.into(),
-        api_version: desc.api_version(),
-        kind: desc.kind.into(),
-        plural: desc.plural.into(),
-    }
+    reports_server_tests::objects::api_resource(desc)
 }
 
 /// A dynamic API for `desc`, namespaced when the kind is.
