@@ -77,12 +77,16 @@ impl Member {
     }
 }
 
+/// A report with one result: `pass` in east, `fail` in west, so the fleet view tells them
+/// apart.
 fn report(name: &str, owner: &str) -> Result<DynamicObject> {
+    let result = if owner == "east" { "pass" } else { "fail" };
     Ok(serde_json::from_value(json!({
         "apiVersion": "wgpolicyk8s.io/v1alpha2",
         "kind": "PolicyReport",
         "metadata": {"name": name, "labels": {"cluster": owner}},
         "summary": {"pass": 1, "fail": 0, "warn": 0, "error": 0, "skip": 0},
+        "results": [{"policy": "fleet", "rule": "one", "result": result, "source": "e2e"}],
     }))?)
 }
 
@@ -178,6 +182,7 @@ async fn two_clusters_share_one_postgres_database() -> Result<()> {
     );
 
     refused_on_a_taken_id(&west, &url, "east").await?;
+    fleet_view(&url, &[(&east, "east", "pass"), (&west, "west", "fail")]).await?;
     eprintln!(
         "[fleet] east ({}) and west ({}) share one database, each with its own reports",
         east.kube_system_uid().await?,
@@ -211,6 +216,39 @@ async fn refused_on_a_taken_id(member: &Member, url: &str, taken: &str) -> Resul
             && stderr.contains(&member.kube_system_uid().await?),
         "the refusal does not name this cluster's UID and the fix:\n{stderr}"
     );
+    Ok(())
+}
+
+/// `reports-server query compliance --by cluster` on the shared database: one row per cluster
+/// whose counts are the results of the reports that cluster lists.
+async fn fleet_view(url: &str, members: &[(&Member, &str, &str)]) -> Result<()> {
+    let out = Command::new(server::binary()?)
+        .args(["query", "compliance", "--by", "cluster", "-o", "json"])
+        .args(["--database-url", url])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "query compliance --by cluster: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    for (member, id, outcome) in members {
+        let listed = member
+            .reports()
+            .list(&ListParams::default())
+            .await?
+            .items
+            .len();
+        let row = rows
+            .iter()
+            .find(|r| r["cluster_id"] == *id)
+            .with_context(|| format!("no row for cluster {id} in {rows:?}"))?;
+        ensure!(
+            row[*outcome] == listed && row["total"] == listed,
+            "cluster {id} lists {listed} reports of one {outcome} result each, the fleet view says {row}"
+        );
+    }
+    ensure!(rows.len() == members.len(), "fleet view rows: {rows:?}");
     Ok(())
 }
 
