@@ -273,7 +273,12 @@ fn older_schema_hint(error: AnalyticsError) -> anyhow::Error {
     let older =
         std::iter::successors(Some(&error as &dyn std::error::Error), |e| e.source()).any(|e| {
             let text = e.to_string();
-            VIEWS.iter().any(|view| text.contains(view))
+            // Only "missing", in each backend's words: a SELECT-only role without rights on a
+            // view also names it ("permission denied for view …"), and migrating is no fix.
+            let missing = ["does not exist", "no such table", "doesn't exist"]
+                .iter()
+                .any(|m| text.contains(m));
+            missing && VIEWS.iter().any(|view| text.contains(view))
         });
     let error = anyhow::Error::new(error);
     if older {

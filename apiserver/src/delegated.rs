@@ -70,10 +70,17 @@ pub enum DelegationError {
     #[error("invalid {0} in kube-system/{CONFIGMAP}: {1}")]
     Invalid(&'static str, String),
     #[error(
-        "cannot read the kube-system namespace, whose UID tells this cluster's reports apart in a shared database: {0} (the server's service account needs get on namespaces)"
+        "cannot read the kube-system namespace, whose UID tells this cluster's reports apart in a shared database: {0}{hint}",
+        hint = if matches!(.0, kube::Error::Api(s) if s.code == 403) {
+            " (the server's service account needs get on namespaces: re-apply the shipped ClusterRole reports-server:core)"
+        } else {
+            " (is kube-apiserver reachable with --kubeconfig or the in-cluster account?)"
+        }
     )]
     ClusterUid(kube::Error),
-    #[error("the kube-system namespace has no metadata.uid")]
+    #[error(
+        "the kube-system namespace has no metadata.uid, so this cluster cannot be told apart in a shared database (kube-apiserver always sets one: is --kubeconfig pointing at a real cluster?)"
+    )]
     NoClusterUid,
 }
 

@@ -775,3 +775,82 @@ async fn named_questions_and_views_answer_from_the_fixtures_on_every_backend() {
         outputs(&db, backend).await;
     }
 }
+
+/// `latest_results` at its edges, on a database of their own (the fixtures above feed the
+/// documented outputs): results about no resource stay their report's, and a result without a
+/// timestamp loses to one with on every backend (PostgreSQL sorts NULLs first).
+#[tokio::test]
+async fn latest_results_keeps_subjectless_results_and_prefers_timestamps() {
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let url = backend
+            .database_url(dir.path())
+            .unwrap_or_else(|e| panic!("{backend:?}: {e:#}"));
+        let store = Store::connect(StoreOptions::new(url.clone()))
+            .await
+            .expect("the store opens");
+        let report = |name: &str, scope: Option<Value>, result: Value| {
+            let mut r = json!({
+                "apiVersion": "wgpolicyk8s.io/v1alpha2",
+                "kind": "PolicyReport",
+                "metadata": {"name": name, "namespace": "edges"},
+                "results": [result],
+            });
+            if let Some(scope) = scope {
+                r["scope"] = scope;
+            }
+            r
+        };
+        let bench = |outcome: &str| {
+            json!({"policy": "cis", "rule": "1.1.1", "result": outcome, "source": "kube-bench",
+                   "timestamp": {"seconds": TIMESTAMP, "nanos": 0}})
+        };
+        let pod = json!({"apiVersion": "v1", "kind": "Pod", "namespace": "edges", "name": "p"});
+        let reports = [
+            report("node-a", None, bench("pass")),
+            report("node-b", None, bench("fail")),
+            report("pod-z-timed", Some(pod.clone()), bench("pass")),
+            report(
+                // First by name: only its missing timestamp ranks it below the other.
+                "pod-a-untimed",
+                Some(pod),
+                json!({"policy": "cis", "rule": "1.1.1", "result": "fail", "source": "kube-bench"}),
+            ),
+        ];
+        for r in &reports {
+            let name = r["metadata"]["name"].as_str().unwrap();
+            store
+                .mutate::<StoreError, _>(&POLICY_REPORT, "edges", name, false, |_| {
+                    Ok(Mutation::Put(r.clone()))
+                })
+                .await
+                .expect("a report is stored");
+        }
+        let db = analytics::connect_read_only(&url, std::time::Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+        let latest = analytics::run_sql(
+            &db,
+            "SELECT report_name, result FROM latest_results ORDER BY report_name",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+        let got: Vec<(String, String)> = latest
+            .rows
+            .iter()
+            .map(|r| {
+                (
+                    text_of(&latest, r, "report_name"),
+                    text_of(&latest, r, "result"),
+                )
+            })
+            .collect();
+        let want = [
+            ("node-a", "pass"),
+            ("node-b", "fail"),
+            ("pod-z-timed", "pass"),
+        ]
+        .map(|(n, r)| (n.to_owned(), r.to_owned()));
+        assert_eq!(got, want, "{backend:?}");
+    }
+}

@@ -14,9 +14,9 @@
 //!    default), the reports controller restarted with `--aggregateReports=false`.
 //!
 //! Each mode must show every Pod's report with the audit policy's `fail`, the Deployment's own
-//! report (Kyverno's autogen rule), and no ephemeral report left in the namespace; the whole
-//! run no `ERR` line about reports in any Kyverno controller's log. The times are printed, not
-//! asserted: docs/kyverno.md quotes them.
+//! report (Kyverno's autogen rule), and no ephemeral report left in the namespace; and no
+//! `ERR` line about reports in any Kyverno controller's log outside the switch (which rolls the
+//! only server on purpose). The times are printed, not asserted: docs/kyverno.md quotes them.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -119,12 +119,25 @@ async fn both_modes(node: &Node, run: &RunDir) -> Result<()> {
     );
 
     let mode_a = first_reports(&client, "first-report-a").await;
+    // The switch rolls the only SQLite server (the operator allows no second replica) and
+    // restarts Kyverno's reports controller: Kyverno's watches through us fail for that moment
+    // by design, so its lines are left out of the check (logs only grow: a count per controller
+    // marks where each part begins).
+    let before_switch = report_errors_per_controller(&kyverno);
     let switched = switch_to_mode_b(&kubectl, &mut kyverno).await;
+    let after_switch = report_errors_per_controller(&kyverno);
     let mode_b = match switched {
         Ok(()) => first_reports(&client, "first-report-b").await,
         Err(e) => Err(e.context("switching to mode B")),
     };
-    let report_errors = kyverno.report_errors(&Controller::ALL);
+    let at_end = report_errors_per_controller(&kyverno);
+    let report_errors: Vec<String> = before_switch
+        .iter()
+        .zip(after_switch.iter().zip(&at_end))
+        .flat_map(|(before, (after, end))| {
+            before.iter().chain(end.iter().skip(after.len())).cloned()
+        })
+        .collect();
     kyverno.stop();
 
     let mut failures = Vec::new();
@@ -144,6 +157,14 @@ async fn both_modes(node: &Node, run: &RunDir) -> Result<()> {
     }
     ensure!(failures.is_empty(), "{}", failures.join("\n\n"));
     Ok(())
+}
+
+/// Kyverno's `ERR` lines about reports so far, per controller (in `Controller::ALL`'s order).
+fn report_errors_per_controller(kyverno: &Kyverno) -> Vec<Vec<String>> {
+    Controller::ALL
+        .iter()
+        .map(|c| kyverno.report_errors(&[*c]))
+        .collect()
 }
 
 /// Mode B as a user switches to it: the servers' merge on first (their pods roll), then

@@ -1,15 +1,16 @@
 //! A fleet in one database: two clusters (two real control planes), one server each, one
 //! PostgreSQL. Each cluster sees only its own reports under the same names, its
-//! resourceVersions move only with its own writes, and a server of one cluster refuses to start
-//! on the other's cluster id (the default id included) instead of mixing their reports.
+//! resourceVersions move only with its own writes, a server of one cluster refuses to start on
+//! the other's cluster id instead of mixing their reports, and `reports-server query compliance
+//! --by cluster` gives the fleet view.
 //!
 //! The store-level part (`store::cluster_identity`) runs on every backend without control
-//! planes: the first cluster records itself on an id, another cluster is refused with a message
+//! planes, on the default id `default`: the first cluster records itself on it, another cluster is refused with a message
 //! naming both UIDs and the fix, and `--reclaim-cluster-id` hands the id over.
 
 use std::path::Path;
-use std::process::Command;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use futures::StreamExt as _;
@@ -252,6 +253,8 @@ async fn fleet_view(url: &str, members: &[(&Member, &str, &str)]) -> Result<()> 
     Ok(())
 }
 
+/// Runs `serve`, which must exit on its own: one still running after a minute is killed and
+/// reported (a server that accepted the id would serve forever).
 fn serve_once(
     kubeconfig: &Path,
     url: &str,
@@ -265,8 +268,23 @@ fn serve_once(
         .args(["--bind-address", "127.0.0.1", "--secure-port"])
         .arg(server::free_port().to_string())
         .arg("--data-dir")
-        .arg(data);
-    Ok(cmd.output()?)
+        .arg(data)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait()?.is_none() {
+        if Instant::now() > deadline {
+            child.kill()?;
+            let out = child.wait_with_output()?;
+            anyhow::bail!(
+                "serve on another cluster's id still runs after 60 s; stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(child.wait_with_output()?)
 }
 
 /// The identity rules on every backend, through the store alone.

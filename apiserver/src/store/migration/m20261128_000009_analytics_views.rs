@@ -75,14 +75,23 @@ const RESULT_COLUMNS: &str = "cluster_id, resource, namespace, report_name, sour
     subject_namespace, subject_name, subject_uid, timestamp, message, properties";
 
 /// One row per resource and rule: the result with the newest timestamp, whichever report holds
-/// it (a resource scanned by two reports of one source, or reported twice during a rename).
+/// it (a resource scanned by two reports of one source, or reported twice during a rename). A
+/// result about no resource (no scope, no `resources`, e.g. a per-node benchmark report) is its
+/// report's own: `PARTITION BY` treats NULL subjects as equal and would keep one of them. A
+/// result without a timestamp loses to one with: PostgreSQL sorts NULLs first in `DESC`, SQLite
+/// and MySQL last, so the order says it.
 fn latest_results_view() -> String {
+    let unless_subject = |column: &str| format!("CASE WHEN subject_name IS NULL THEN {column} END");
     format!(
         "CREATE VIEW latest_results AS SELECT {RESULT_COLUMNS} FROM (\
          SELECT rr.*, ROW_NUMBER() OVER (PARTITION BY cluster_id, subject_kind, \
-         subject_namespace, subject_name, source, policy, rule \
-         ORDER BY timestamp DESC, resource, namespace, report_name) AS newest \
-         FROM report_results rr) ranked WHERE newest = 1"
+         subject_namespace, subject_name, {}, {}, {}, source, policy, rule \
+         ORDER BY CASE WHEN timestamp IS NULL THEN 1 ELSE 0 END, timestamp DESC, \
+         resource, namespace, report_name) AS newest \
+         FROM report_results rr) ranked WHERE newest = 1",
+        unless_subject("resource"),
+        unless_subject("namespace"),
+        unless_subject("report_name"),
     )
 }
 
