@@ -260,9 +260,21 @@ fn properties(
             keys.push(&condition.key);
         }
     }
+    // A property named like a fixed column would make its alias ambiguous (PostgreSQL refuses
+    // the ORDER BY, JSON output gets the key twice): it is shown as `property.<key>`.
+    let alias = |key: &str| {
+        if PROPERTY_ROW_COLUMNS
+            .iter()
+            .any(|c| c.eq_ignore_ascii_case(key))
+        {
+            format!("property.{key}")
+        } else {
+            key.to_owned()
+        }
+    };
     let shown: Vec<String> = keys
         .iter()
-        .map(|key| format!("{} AS {}", binder.property(key), binder.quoted(key)))
+        .map(|key| format!("{} AS {}", binder.property(key), binder.quoted(&alias(key))))
         .collect();
     let mut terms = binder.filter(filter);
     terms.extend(conditions.iter().map(|c| binder.condition(c)));
@@ -271,17 +283,44 @@ fn properties(
         .map(|column| format!(", {column}"))
         .collect::<String>();
     format!(
-        "SELECT namespace, subject_kind, subject_name, source, policy, rule, result, \
-         severity{shown} FROM report_results WHERE {} \
+        "SELECT {}{shown} FROM report_results WHERE {} \
          ORDER BY namespace, subject_kind, subject_name, policy, rule LIMIT {}",
+        PROPERTY_ROW_COLUMNS.join(", "),
         terms.join(" AND "),
         binder.bind(i64::from(limit))
     )
 }
 
+/// The columns `properties` shows before the properties a condition names.
+const PROPERTY_ROW_COLUMNS: [&str; 8] = [
+    "namespace",
+    "subject_kind",
+    "subject_name",
+    "source",
+    "policy",
+    "rule",
+    "result",
+    "severity",
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_property_named_like_a_column_gets_its_own_alias() {
+        let question = Question::Properties {
+            filter: filter(),
+            conditions: vec![
+                "namespace=prod".parse().unwrap(),
+                "score>=8".parse().unwrap(),
+            ],
+            limit: 10,
+        };
+        let sql = question.to_query(DbBackend::Postgres).sql;
+        assert!(sql.contains("AS \"property.namespace\""), "{sql}");
+        assert!(sql.contains("AS \"score\""), "{sql}");
+    }
 
     fn filter() -> ResultFilter {
         ResultFilter {
