@@ -289,6 +289,15 @@ fn text_of(table: &Table, row: &[Value], name: &str) -> String {
     }
 }
 
+/// Two text columns of every row, in the table's order.
+fn text_pairs(table: &Table, first: &str, second: &str) -> Vec<(String, String)> {
+    table
+        .rows
+        .iter()
+        .map(|r| (text_of(table, r, first), text_of(table, r, second)))
+        .collect()
+}
+
 fn number_of(table: &Table, row: &[Value], name: &str) -> i64 {
     row[column(table, name)]
         .as_i64()
@@ -620,15 +629,8 @@ async fn views(db: &DatabaseConnection, all: &[Row], backend: Backend) {
     let properties = sql("SELECT property, value FROM result_properties \
                           WHERE cluster_id = 'default' AND policy = 'CVE-2023-50387'")
     .await;
-    let got: BTreeMap<String, String> = properties
-        .rows
-        .iter()
-        .map(|r| {
-            (
-                text_of(&properties, r, "property"),
-                text_of(&properties, r, "value"),
-            )
-        })
+    let got: BTreeMap<String, String> = text_pairs(&properties, "property", "value")
+        .into_iter()
         .collect();
     let want = &all
         .iter()
@@ -835,16 +837,7 @@ async fn latest_results_keeps_subjectless_results_and_prefers_timestamps() {
         )
         .await
         .unwrap_or_else(|e| panic!("{backend:?}: {e}"));
-        let got: Vec<(String, String)> = latest
-            .rows
-            .iter()
-            .map(|r| {
-                (
-                    text_of(&latest, r, "report_name"),
-                    text_of(&latest, r, "result"),
-                )
-            })
-            .collect();
+        let got = text_pairs(&latest, "report_name", "result");
         let want = [
             ("node-a", "pass"),
             ("node-b", "fail"),

@@ -67,14 +67,9 @@ impl Member {
         Api::namespaced_with(self.client.clone(), NS, &api_resource(&POLICY_REPORT))
     }
 
+    /// The UID the servers record for this cluster, read as they read it.
     async fn kube_system_uid(&self) -> Result<String> {
-        let namespaces: Api<Namespace> = Api::all(self.client.clone());
-        namespaces
-            .get("kube-system")
-            .await?
-            .metadata
-            .uid
-            .context("kube-system has no uid")
+        Ok(reports_server_apiserver::delegated::cluster_uid(&self.client).await?)
     }
 }
 
