@@ -839,9 +839,7 @@ mod tests {
         ours.add_cell(("a".into(), "kyverno".into(), "p".into()), "fail", 2)
             .unwrap();
         let mut theirs = ours.clone();
-        theirs
-            .by_namespace
-            .insert("empty".into(), Tally::default());
+        theirs.by_namespace.insert("empty".into(), Tally::default());
         theirs.drop_empty();
         assert!(differences(&ours, &theirs, &theirs).is_empty());
         theirs

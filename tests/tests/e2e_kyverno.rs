@@ -19,11 +19,15 @@
 //! both groups and of B in both groups are compared (UIDs, timestamps and server bookkeeping
 //! normalised away; openreports mapped onto wgpolicy by [`openreports_as_wgpolicy`]), and a
 //! background scan of many Pods prints how long it took and the server's peak memory (figures
-//! only, nothing timed is asserted).
+//! only, nothing timed is asserted). In every run a real consumer, Policy Reporter v3.9.0, follows
+//! the reports through kube-apiserver from the start, and at the end its REST API's counts and
+//! its `policy_report_result` metrics must equal `reports-server query compliance` on the
+//! server's database, per namespace and per policy ([`Consumer`]; docs/policy-reporter.md).
 //!
 //! Needs what `e2e_aggregated` needs (Go + module proxy for the control plane, kubectl, openssl)
 //! plus the Kyverno build (`bash tests/kyverno/build.sh`, run automatically, cached; see
-//! docs/e2e.md and docs/kyverno.md). Nothing is skipped.
+//! docs/e2e.md and docs/kyverno.md) and the Policy Reporter build (`bash
+//! tests/policy-reporter/build.sh`, run automatically, cached; needs gcc too). Nothing is skipped.
 //!
 //! `REPORTS_SERVER_KYVERNO_PODS` sets the size of the background-scan figure (default 500).
 
@@ -54,6 +58,7 @@ use reports_server_tests::{
     kubectl::{Kubectl, kubectl_path},
     kyverno::{Controller, KYVERNO_VERSION, Kyverno, KyvernoOptions},
     kyverno_fixtures::{MUTATE_RULE, mutate_label_policy},
+    policy_reporter::{self, POLICY_REPORTER_VERSION, PolicyReporter},
     server,
 };
 use serde_json::{Value, json};
@@ -1970,6 +1975,7 @@ macro_rules! scenario {
 async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
     eprintln!("[kyverno-e2e] ===== mode {} =====", mode.describe());
     let mut env = Env::start(mode).await?;
+    let mut consumer = Consumer::start(&env).await;
     let mut outcomes = Vec::new();
     let t = Instant::now();
     let installed = install_scenario_policies(&env).await;
@@ -2005,6 +2011,15 @@ async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
             outcomes,
             "background scan, 17 PSS policies",
             s_pss_background
+        );
+        // The most results of the run's scenarios (19 rules on each PSS Pod) are in place here.
+        outcomes.push(
+            consumer
+                .check(
+                    &env,
+                    "Policy Reporter v3.9.0 = query compliance, after the PSS scan",
+                )
+                .await,
         );
         scenario!(
             env,
@@ -2047,6 +2062,15 @@ async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
     } else {
         None
     };
+    outcomes.push(
+        consumer
+            .check(
+                &env,
+                "Policy Reporter v3.9.0 = query compliance, at the end of the run",
+            )
+            .await,
+    );
+    consumer.stop();
     // Bug-1 regression over the whole run: no watch error in any Kyverno log.
     let errors = env.kyverno.watch_errors(&Controller::ALL, false);
     outcomes.push(Outcome {
@@ -2072,6 +2096,65 @@ async fn run_mode(mode: Mode, pods: usize) -> Result<ModeRun> {
     }
     env.stop().await?;
     Ok(run)
+}
+
+// ---- Policy Reporter, a real consumer ----------------------------------------------------------
+
+/// Policy Reporter v3.9.0 (`reports_server_tests::policy_reporter`), started before the first
+/// report of the run so that it follows the whole run through its watches (creations, updates,
+/// garbage collection, namespace deletion, the many-Pods scan), not just a final list.
+struct Consumer {
+    /// The start-up error is kept as text: every check of the run reports it.
+    reporter: Result<PolicyReporter, String>,
+}
+
+impl Consumer {
+    async fn start(env: &Env) -> Consumer {
+        let reporter = PolicyReporter::start(&env.cp)
+            .await
+            .context("starting Policy Reporter (see docs/policy-reporter.md)")
+            .map_err(|e| format!("{e:#}"));
+        Consumer { reporter }
+    }
+
+    /// Policy Reporter's REST counts and `policy_report_result` metrics equal `reports-server
+    /// query compliance` on this server's database, per namespace and per policy, once it has
+    /// caught up; and it was never refused a request (its ServiceAccount has only get, list and
+    /// watch on the report kinds).
+    async fn check(&mut self, env: &Env, name: &'static str) -> Outcome {
+        let t = Instant::now();
+        let checked = async {
+            let pr = self.reporter.as_mut().map_err(|e| anyhow!("{e}"))?;
+            let bin = server::binary()?;
+            let url = policy_reporter::database_url_of(&env.server.args)
+                .ok_or_else(|| anyhow!("the server runs without --database-url"))?;
+            let agreed = policy_reporter::expect_agreement(pr, &bin, url).await?;
+            let forbidden = pr.forbidden_lines();
+            ensure!(
+                forbidden.is_empty(),
+                "Policy Reporter was refused requests (its ClusterRole lacks something):\n{}",
+                forbidden.join("\n")
+            );
+            eprintln!(
+                "[kyverno-e2e] mode {}: Policy Reporter {POLICY_REPORTER_VERSION}: {agreed}",
+                env.mode.short()
+            );
+            anyhow::Ok(())
+        }
+        .await;
+        Outcome {
+            name,
+            error: checked.err().map(|e| format!("{e:#}")),
+            took: t.elapsed(),
+        }
+    }
+
+    /// Stops Policy Reporter before the APIServices go away (it would log their absence).
+    fn stop(self) {
+        if let Ok(mut pr) = self.reporter {
+            pr.stop();
+        }
+    }
 }
 
 /// A failure naming the first of `lines`, or none when there are none.
