@@ -46,8 +46,8 @@ fn output_parser() -> impl TypedValueParser<Value = OutputFormat> {
     })
 }
 
-/// A duration in seconds (`30`, `0.5`) or with a unit (`30s`, `500ms`, `2m`), so that
-/// `--aggregation-delay 30s` from the docs and a bare number both work.
+/// A duration in seconds (`30`, `0.5`) or with a unit (`30s`, `500ms`, `2m`, `24h`, `90d`),
+/// so that `--aggregation-delay 30s` from the docs and a bare number both work.
 pub(crate) fn parse_delay(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let (number, scale) = if let Some(n) = text.strip_suffix("ms") {
@@ -56,13 +56,16 @@ pub(crate) fn parse_delay(text: &str) -> Result<Duration, String> {
         (n, 1.0)
     } else if let Some(n) = text.strip_suffix('m') {
         (n, 60.0)
+    } else if let Some(n) = text.strip_suffix('h') {
+        (n, 3_600.0)
+    } else if let Some(n) = text.strip_suffix('d') {
+        (n, 86_400.0)
     } else {
         (text, 1.0)
     };
-    let value: f64 = number
-        .trim()
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration (examples: 30, 30s, 500ms, 2m)"))?;
+    let value: f64 = number.trim().parse().map_err(|_| {
+        format!("{text:?} is not a duration (examples: 30, 30s, 500ms, 2m, 24h, 90d)")
+    })?;
     Duration::try_from_secs_f64(value * scale).map_err(|e| format!("{text:?}: {e}"))
 }
 
@@ -532,6 +535,8 @@ mod tests {
         assert_eq!(parse_delay("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_delay("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_delay("0.5"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_delay("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(parse_delay("90d"), Ok(Duration::from_secs(90 * 86_400)));
         assert!(parse_delay("soon").is_err());
         assert!(parse_delay("-1").is_err());
     }

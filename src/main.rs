@@ -15,6 +15,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod aggregation_cli;
 mod apiservices;
+mod backup_cli;
 #[cfg(feature = "bench")]
 mod bench;
 #[cfg(feature = "bench")]
@@ -24,6 +25,7 @@ mod limits_cli;
 mod migrate_cli;
 mod operator_cli;
 mod query_cli;
+mod statistics_cli;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -115,9 +117,12 @@ enum Command {
     /// Run the ReportsServer operator (reconciles reportsserver.io/v1alpha1 objects).
     Operator(Box<operator_cli::OperatorArgs>),
     /// Ask the database a named question (failing results, compliance, top failing resources,
-    /// results by property) or read-only SQL (`--sql`), through a read-only connection
-    /// (docs/analytics.md).
+    /// results by property, compliance trend) or read-only SQL (`--sql`), through a read-only
+    /// connection (docs/analytics.md).
     Query(Box<query_cli::QueryArgs>),
+    /// Copy the embedded SQLite database into a new file, consistent as of one moment, while
+    /// the server runs (for analysts' tools, or as a backup).
+    Backup(Box<backup_cli::BackupArgs>),
 }
 
 /// How `serve` authenticates and authorizes callers.
@@ -205,6 +210,8 @@ struct ServeArgs {
     migration: migrate_cli::ServeMigrationArgs,
     #[command(flatten)]
     limits: limits_cli::LimitsArgs,
+    #[command(flatten)]
+    statistics: statistics_cli::StatisticsArgs,
     /// Address to listen on.
     #[arg(long, env = "REPORTS_SERVER_BIND_ADDRESS", default_value = "127.0.0.1")]
     bind_address: IpAddr,
@@ -366,6 +373,7 @@ async fn main() -> anyhow::Result<()> {
         Command::BenchAggregation(args) => bench_aggregation::run(args).await,
         Command::Operator(args) => operator_cli::run(*args).await,
         Command::Query(args) => query_cli::run(*args).await,
+        Command::Backup(args) => backup_cli::run(*args).await,
     }
 }
 
@@ -454,6 +462,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let settled = migration.as_ref().map(|w| w.settled());
     let migration = migration.map(|w| spawn_migration(w, &server));
     let aggregation = args.aggregation.spawn(&server, cluster.as_ref(), settled);
+    let statistics = args.statistics.spawn(&server);
     let token = server.shutdown_token();
     let draining = server.draining_token();
     let delay = Duration::from_secs(args.shutdown_delay_seconds);
@@ -484,6 +493,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(migration) = migration {
         let _ = migration.await;
+    }
+    if let Some(statistics) = statistics {
+        let _ = statistics.await;
     }
     Ok(())
 }

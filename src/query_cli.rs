@@ -25,8 +25,9 @@ pub struct QueryArgs {
     connection: ConnectionArgs,
 }
 
+/// Where `serve`'s database is, for commands that read it.
 #[derive(Args)]
-struct ConnectionArgs {
+pub struct DatabaseLocation {
     /// Database URL: sqlite://PATH, postgres://USER:PASS@HOST:PORT/DB or mysql://…
     /// [default: `serve`'s: built from DB_HOST/DB_PORT/DB_DATABASE/DB_USER/DB_PASSWORD when DB_HOST is set, else the SQLite file `reports.db` in --data-dir]
     #[arg(long, env = "REPORTS_SERVER_DATABASE_URL", global = true)]
@@ -34,6 +35,12 @@ struct ConnectionArgs {
     /// Directory of `serve`'s embedded database.
     #[arg(long, env = "REPORTS_SERVER_DATA_DIR", default_value_t = crate::default_data_dir(), global = true)]
     data_dir: String,
+}
+
+#[derive(Args)]
+struct ConnectionArgs {
+    #[command(flatten)]
+    location: DatabaseLocation,
     /// The cluster whose reports to read, when several share the database.
     #[arg(
         long,
@@ -82,6 +89,29 @@ enum QuestionCommand {
     /// Results whose properties satisfy every --where, e.g. --where 'score>=8.0' on Trivy's
     /// vulnerability reports; shows those properties.
     Properties(PropertiesArgs),
+    /// How compliance changed: one row per compliance history snapshot (taken by `serve`
+    /// every --history-interval), the cluster's totals or per namespace, policy or cluster.
+    Trend(TrendArgs),
+}
+
+#[derive(Args)]
+struct TrendArgs {
+    /// One row per snapshot and namespace, policy (and source), or cluster of the database
+    /// [default: the cluster's totals per snapshot].
+    #[arg(long, env = "REPORTS_SERVER_QUERY_BY", value_enum)]
+    by: Option<GroupingArg>,
+    /// Snapshots taken in this last stretch of time, e.g. 7d, 30d, 24h.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_SINCE", default_value = "30d", value_parser = crate::aggregation_cli::parse_delay)]
+    since: Duration,
+    /// Only this namespace's counts.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_NAMESPACE")]
+    namespace: Option<String>,
+    /// Only this policy's counts.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_POLICY")]
+    policy: Option<String>,
+    /// Only this source's counts.
+    #[arg(long, env = "REPORTS_SERVER_QUERY_SOURCE")]
+    source: Option<String>,
 }
 
 #[derive(Args)]
@@ -171,8 +201,26 @@ impl ResultFilterArgs {
     }
 }
 
+impl From<GroupingArg> for Grouping {
+    fn from(arg: GroupingArg) -> Self {
+        match arg {
+            GroupingArg::Namespace => Grouping::Namespace,
+            GroupingArg::Policy => Grouping::Policy,
+            GroupingArg::Cluster => Grouping::Cluster,
+        }
+    }
+}
+
+/// Unix seconds now.
+fn now_unix() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
 impl QuestionCommand {
-    fn question(self, cluster_id: String) -> Question {
+    fn question(self, cluster_id: String, now: i64) -> Question {
         match self {
             QuestionCommand::Failing(args) => Question::Failing {
                 filter: args.filter.filter(cluster_id),
@@ -183,11 +231,7 @@ impl QuestionCommand {
                 limit: args.limit.unwrap_or(TOP_FAILING_LIMIT),
             },
             QuestionCommand::Compliance(args) => Question::Compliance {
-                by: match args.by {
-                    GroupingArg::Namespace => Grouping::Namespace,
-                    GroupingArg::Policy => Grouping::Policy,
-                    GroupingArg::Cluster => Grouping::Cluster,
-                },
+                by: args.by.into(),
                 filter: ResultFilter {
                     cluster_id,
                     namespace: args.namespace,
@@ -201,13 +245,24 @@ impl QuestionCommand {
                 conditions: args.conditions,
                 limit: args.listed.limit.unwrap_or(RESULTS_LIMIT),
             },
+            QuestionCommand::Trend(args) => Question::Trend {
+                by: args.by.map(Grouping::from),
+                filter: ResultFilter {
+                    cluster_id,
+                    namespace: args.namespace,
+                    policy: args.policy,
+                    source: args.source,
+                    ..ResultFilter::default()
+                },
+                since: now.saturating_sub(i64::try_from(args.since.as_secs()).unwrap_or(i64::MAX)),
+            },
         }
     }
 }
 
-impl ConnectionArgs {
+impl DatabaseLocation {
     /// `serve`'s database; the embedded SQLite file must exist (reading never creates one).
-    fn url(&self) -> anyhow::Result<String> {
+    pub fn url(&self) -> anyhow::Result<String> {
         if let Some(url) = database_url::named(self.database_url.as_deref(), |name| {
             std::env::var(name).ok()
         }) {
@@ -226,12 +281,15 @@ impl ConnectionArgs {
     }
 }
 
-/// The views a named question reads: an error naming one means the schema is older.
-const VIEWS: [&str; 4] = [
+/// The views and tables a named question reads: an error naming one means the schema is
+/// older.
+const VIEWS: [&str; 6] = [
     "namespace_compliance",
     "policy_compliance",
     "cluster_compliance",
     "report_results",
+    "compliance_snapshots",
+    "compliance_history",
 ];
 
 pub async fn run(args: QueryArgs) -> anyhow::Result<()> {
@@ -243,11 +301,11 @@ pub async fn run(args: QueryArgs) -> anyhow::Result<()> {
         OutputArg::Yaml => Output::Yaml,
     };
     let timeout = Duration::from_secs(connection.db_connect_timeout_seconds);
-    let url = connection.url()?;
+    let url = connection.location.url()?;
     let db = analytics::connect_read_only(&url, timeout).await?;
     let table = match (args.question, args.sql) {
         (Some(question), None) => {
-            let question = question.question(connection.cluster_id.clone());
+            let question = question.question(connection.cluster_id.clone(), now_unix());
             analytics::run_question(&db, &question)
                 .await
                 .map_err(older_schema_hint)?
@@ -257,7 +315,7 @@ pub async fn run(args: QueryArgs) -> anyhow::Result<()> {
             bail!("name a question or pass --sql, not both (is REPORTS_SERVER_QUERY_SQL set?)")
         }
         (None, None) => bail!(
-            "name a question (failing, compliance, top-failing, properties) or pass --sql; \
+            "name a question (failing, compliance, top-failing, properties, trend) or pass --sql; \
              see `reports-server query --help`"
         ),
     };
@@ -331,7 +389,10 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(args.connection.output, OutputArg::Csv));
-        let question = args.question.unwrap().question(args.connection.cluster_id);
+        let question = args
+            .question
+            .unwrap()
+            .question(args.connection.cluster_id, 0);
         assert_eq!(
             question,
             Question::Failing {
@@ -352,17 +413,17 @@ mod tests {
     fn each_question_has_its_defaults() {
         let args = parse("reports-server query top-failing").unwrap();
         assert!(matches!(
-            args.question.unwrap().question("default".into()),
+            args.question.unwrap().question("default".into(), 0),
             Question::TopFailing { limit: 10, .. }
         ));
         let args = parse("reports-server query failing").unwrap();
         assert!(matches!(
-            args.question.unwrap().question("default".into()),
+            args.question.unwrap().question("default".into(), 0),
             Question::Failing { limit: 100, .. }
         ));
         let args = parse("reports-server query compliance").unwrap();
         assert!(matches!(
-            args.question.unwrap().question("default".into()),
+            args.question.unwrap().question("default".into(), 0),
             Question::Compliance {
                 by: Grouping::Namespace,
                 ..
@@ -374,11 +435,34 @@ mod tests {
     }
 
     #[test]
+    fn trend_reads_the_stretch_back_from_now() {
+        let args = parse("reports-server query trend --since 7d --by policy --policy p").unwrap();
+        let question = args.question.unwrap().question("east".into(), 1_000_000);
+        assert_eq!(
+            question,
+            Question::Trend {
+                by: Some(Grouping::Policy),
+                filter: ResultFilter {
+                    cluster_id: "east".into(),
+                    policy: Some("p".into()),
+                    ..ResultFilter::default()
+                },
+                since: 1_000_000 - 7 * 86_400,
+            }
+        );
+        let args = parse("reports-server query trend").unwrap();
+        assert!(matches!(
+            args.question.unwrap().question("default".into(), 40 * 86_400),
+            Question::Trend { by: None, since, .. } if since == 10 * 86_400
+        ));
+    }
+
+    #[test]
     fn property_conditions_are_required_and_checked_while_parsing() {
         let args =
             parse("reports-server query properties --where 'score>=8.0' --where a.b=c").unwrap();
         let Question::Properties { conditions, .. } =
-            args.question.unwrap().question("default".into())
+            args.question.unwrap().question("default".into(), 0)
         else {
             panic!("not a properties question");
         };

@@ -11,6 +11,7 @@
 //!   typed filter;
 //! * [`question`]: the named questions and the SQL each becomes for a backend (no I/O);
 //! * [`run`]: a read-only connection, the read-only transaction, rows decoded into a [`Table`];
+//!   and a consistent copy of a SQLite database for analysts ([`copy_sqlite`]);
 //! * [`render`]: a [`Table`] as `table`, `json`, `csv` or `yaml`.
 
 #![forbid(unsafe_code)]
@@ -26,7 +27,7 @@ pub mod run;
 pub use condition::{Comparison, Condition};
 pub use question::{Grouping, Query, Question, ResultFilter};
 pub use render::{Output, Table};
-pub use run::{connect_read_only, run_question, run_sql};
+pub use run::{connect_read_only, copy_sqlite, run_question, run_sql};
 
 /// What can go wrong, each with what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -53,4 +54,11 @@ pub enum AnalyticsError {
     UnprintableColumn { column: String },
     #[error("cannot write the output: {0}")]
     Render(String),
+    #[error(
+        "`backup` copies the embedded SQLite database only; back PostgreSQL up with pg_dump or \
+         your provider's snapshots, MySQL/MariaDB with mysqldump or mariadb-backup"
+    )]
+    NotSqlite,
+    #[error("cannot write the copy: {0}")]
+    Copy(String),
 }

@@ -46,6 +46,15 @@ pub enum Question {
         conditions: Vec<Condition>,
         limit: u32,
     },
+    /// The compliance history (`compliance_snapshots`, `compliance_history`): one row per
+    /// snapshot taken at or after `since` (Unix seconds), with the cluster's totals (`by`
+    /// `None`, snapshots without any result included), per namespace or policy, or per
+    /// cluster of the database. Honours `namespace`, `policy` and `source` of the filter.
+    Trend {
+        by: Option<Grouping>,
+        filter: ResultFilter,
+        since: i64,
+    },
 }
 
 /// A statement and its bound values, ready for `Statement::from_sql_and_values`.
@@ -205,6 +214,7 @@ impl Question {
                 conditions,
                 limit,
             } => properties(&mut binder, filter, conditions, *limit),
+            Question::Trend { by, filter, since } => trend(&mut binder, *by, filter, *since),
         };
         Query {
             backend,
@@ -244,6 +254,88 @@ fn compliance(binder: &mut Binder, by: Grouping, filter: &ResultFilter) -> Strin
     format!(
         "SELECT {columns}, {COUNTERS} FROM {view} WHERE {} ORDER BY {columns}",
         terms.join(" AND ")
+    )
+}
+
+/// `column` (Unix seconds) as RFC 3339 text in UTC, whatever the session's time zone.
+fn rfc3339(backend: DbBackend, column: &str) -> String {
+    match backend {
+        DbBackend::Postgres => format!(
+            "to_char(to_timestamp({column}) AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
+        ),
+        // FROM_UNIXTIME would read the session's time zone.
+        DbBackend::MySql => format!(
+            "DATE_FORMAT(DATE_ADD('1970-01-01 00:00:00', INTERVAL {column} SECOND), \
+             '%Y-%m-%dT%H:%i:%sZ')"
+        ),
+        _ => format!("strftime('%Y-%m-%dT%H:%M:%SZ', {column}, 'unixepoch')"),
+    }
+}
+
+/// The counters of a trend row: sums of the history's counts (0 for a snapshot without rows),
+/// as 64-bit integers (`SUM` of a BIGINT is a NUMERIC on PostgreSQL, a DECIMAL on MySQL).
+fn trend_counters(backend: DbBackend) -> String {
+    let (integer, double) = match backend {
+        DbBackend::Postgres => ("BIGINT", "DOUBLE PRECISION"),
+        DbBackend::MySql => ("SIGNED", "DOUBLE"),
+        _ => ("INTEGER", "REAL"),
+    };
+    let sum = |column: &str| format!("CAST(COALESCE(SUM(h.{column}), 0) AS {integer})");
+    let counted = "COALESCE(SUM(h.pass + h.fail + h.warn + h.error), 0)";
+    format!(
+        "{pass} AS pass, {fail} AS fail, {warn} AS warn, {error} AS error, {skip} AS skip, \
+         CAST(COALESCE(SUM(h.pass + h.fail + h.warn + h.error + h.skip), 0) AS {integer}) \
+         AS total, CAST(SUM(h.pass) AS {double}) / NULLIF({counted}, 0) AS ratio",
+        pass = sum("pass"),
+        fail = sum("fail"),
+        warn = sum("warn"),
+        error = sum("error"),
+        skip = sum("skip"),
+    )
+}
+
+fn trend(binder: &mut Binder, by: Option<Grouping>, filter: &ResultFilter, since: i64) -> String {
+    let backend = binder.backend;
+    let (columns, join) = match by {
+        // Totals: every snapshot, with or without rows.
+        None | Some(Grouping::Cluster) => ("", "LEFT JOIN"),
+        Some(Grouping::Namespace) => ("h.namespace, ", "JOIN"),
+        Some(Grouping::Policy) => ("h.source, h.policy, ", "JOIN"),
+    };
+    // Narrowing in the join keeps the totals' empty snapshots.
+    let mut on = vec![
+        "h.cluster_id = s.cluster_id".to_owned(),
+        "h.taken_at = s.taken_at".to_owned(),
+    ];
+    for (column, value) in [
+        ("namespace", &filter.namespace),
+        ("policy", &filter.policy),
+        ("source", &filter.source),
+    ] {
+        if let Some(value) = value {
+            on.push(format!("h.{column} = {}", binder.bind(value.clone())));
+        }
+    }
+    let mut terms = vec![format!("s.taken_at >= {}", binder.bind(since))];
+    let cluster = if by == Some(Grouping::Cluster) {
+        "s.cluster_id, "
+    } else {
+        terms.push(format!(
+            "s.cluster_id = {}",
+            binder.bind(filter.cluster_id.clone())
+        ));
+        ""
+    };
+    let grouped = format!("{cluster}s.taken_at, {columns}");
+    let grouped = grouped.trim_end_matches(", ");
+    format!(
+        "SELECT {cluster}{} AS taken_at, {columns}{} \
+         FROM compliance_snapshots s {join} compliance_history h ON {} \
+         WHERE {} GROUP BY {grouped} ORDER BY {grouped}",
+        rfc3339(backend, "s.taken_at"),
+        trend_counters(backend),
+        on.join(" AND "),
+        terms.join(" AND "),
     )
 }
 

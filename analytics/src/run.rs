@@ -54,6 +54,52 @@ pub async fn connect_read_only(
     Ok(db)
 }
 
+/// Copies the SQLite database at `url` into a new file `to`, consistent as of one moment,
+/// while servers keep writing: `VACUUM INTO` through a connection that cannot write the
+/// source (`mode=ro`; `PRAGMA query_only` would refuse `VACUUM INTO` as well). The copy is
+/// written beside `to` and renamed into place, so `to` is never a half-written file.
+pub async fn copy_sqlite(
+    url: &str,
+    to: &std::path::Path,
+    connect_timeout: Duration,
+) -> Result<u64, AnalyticsError> {
+    if !url.starts_with("sqlite:") {
+        return Err(AnalyticsError::NotSqlite);
+    }
+    if to.exists() {
+        return Err(AnalyticsError::Copy(format!(
+            "{} exists; name a new file",
+            to.display()
+        )));
+    }
+    let partial = to.with_extension("partial");
+    let _ = std::fs::remove_file(&partial);
+    let mut options = ConnectOptions::new(read_only_url(url));
+    options
+        .max_connections(1)
+        .connect_timeout(connect_timeout)
+        .acquire_timeout(connect_timeout)
+        .sqlx_logging(false);
+    let db = Database::connect(options)
+        .await
+        .map_err(AnalyticsError::Connect)?;
+    let target = partial.to_string_lossy().into_owned();
+    db.execute_raw(Statement::from_sql_and_values(
+        DbBackend::Sqlite,
+        "VACUUM INTO ?",
+        [target.into()],
+    ))
+    .await
+    .map_err(AnalyticsError::Query)?;
+    db.close().await.map_err(AnalyticsError::Connect)?;
+    std::fs::rename(&partial, to)
+        .map_err(|e| AnalyticsError::Copy(format!("cannot rename the copy into place: {e}")))?;
+    let bytes = std::fs::metadata(to)
+        .map(|m| m.len())
+        .map_err(|e| AnalyticsError::Copy(e.to_string()))?;
+    Ok(bytes)
+}
+
 async fn read_only_transaction(db: &DatabaseConnection) -> Result<DatabaseTransaction, DbErr> {
     match db.get_database_backend() {
         // `SET TRANSACTION READ ONLY` first in the transaction (PostgreSQL) or before

@@ -8,6 +8,8 @@
 //! * `http`: the axum router that speaks the Kubernetes API for the report kinds.
 //! * [`report_merge`]: the in-process Kyverno report merger (an aggregator backend over the
 //!   store, writing through the registry).
+//! * [`statistics`]: the lease holder's gauges of stored objects and results, and the
+//!   compliance history snapshots.
 //! * [`startup`]: starting the server in standalone or delegated mode; `pki`, `server`:
 //!   certificates and the HTTPS accept loop.
 //!
@@ -30,4 +32,5 @@ pub mod report_merge;
 pub mod selector;
 pub mod server;
 pub mod startup;
+pub mod statistics;
 pub mod store;

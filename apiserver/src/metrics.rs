@@ -71,6 +71,18 @@ impl Metrics {
             "Watchers ended because they fell behind the change feed",
             watchers_cut_off.clone(),
         );
+        registry.register(
+            "reports_server_build",
+            "The running release: version, and the git commit when the build recorded one",
+            prometheus_client::metrics::info::Info::new(vec![
+                ("version", env!("CARGO_PKG_VERSION")),
+                // Set by the image build (`REPORTS_SERVER_GIT_COMMIT=$(git rev-parse HEAD)`).
+                (
+                    "commit",
+                    option_env!("REPORTS_SERVER_GIT_COMMIT").unwrap_or("unknown"),
+                ),
+            ]),
+        );
         Arc::new(Metrics {
             registry: std::sync::Mutex::new(registry),
             requests,

@@ -37,6 +37,10 @@ OUT=$CACHE_ROOT/policy-reporter-$PR_VERSION
 BIN=$OUT/bin
 STAMP=$OUT/stamp
 SRC=${REPORTS_SERVER_POLICY_REPORTER_SRC:-$REPO/../shared/reference/policy-reporter/policy-reporter-$PR_VERSION-src.tar.gz}
+# A clone elsewhere on this machine (CI's) finds the reference copy at its fixed place.
+if [[ -z ${REPORTS_SERVER_POLICY_REPORTER_SRC:-} && ! -f $SRC ]]; then
+    SRC=/work/shared/reference/policy-reporter/policy-reporter-$PR_VERSION-src.tar.gz
+fi
 
 log() { printf '[policy-reporter/build] %s\n' "$*" >&2; }
 die() {

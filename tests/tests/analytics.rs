@@ -7,9 +7,16 @@
 //! for `reports-server query --data-dir DIR …` (the outputs shown in docs/analytics.md).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::registry::Registry;
 
 use reports_server_analytics::{
     self as analytics, AnalyticsError, Grouping, Output, Question, ResultFilter, Table,
+};
+use reports_server_apiserver::statistics::{
+    Clock, StatisticsMetrics, StatisticsOptions, StatisticsWorker,
 };
 use reports_server_apiserver::store::{Mutation, Store, StoreError, StoreOptions};
 use reports_server_crds::catalog::POLICY_REPORT;
@@ -846,4 +853,292 @@ async fn latest_results_keeps_subjectless_results_and_prefers_timestamps() {
         .map(|(n, r)| (n.to_owned(), r.to_owned()));
         assert_eq!(got, want, "{backend:?}");
     }
+}
+
+// ---- history and gauges ------------------------------------------------------------------
+
+/// A clock the test moves by hand.
+#[derive(Default)]
+struct ManualClock(std::sync::atomic::AtomicI64);
+
+impl ManualClock {
+    fn set(&self, at: i64) {
+        self.0.store(at, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> i64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+const DAY: i64 = 86_400;
+/// 2026-11-28T00:00:00Z.
+const MIDNIGHT: i64 = 1_795_824_000;
+
+/// A store of `cluster`, its statistics worker on `clock` (daily snapshots kept a week), and
+/// the registry its gauges are published in.
+async fn statistics_of(
+    url: &str,
+    cluster: &str,
+    clock: &Arc<ManualClock>,
+) -> (Store, StatisticsWorker, Registry) {
+    let mut options = StoreOptions::new(url.to_owned());
+    options.cluster_id = cluster.into();
+    let store = Store::connect(options).await.expect("the store opens");
+    let metrics = StatisticsMetrics::default();
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    metrics.set_leading(true);
+    let options = StatisticsOptions {
+        history_interval: Duration::from_secs(DAY as u64),
+        history_retention: Duration::from_secs(7 * DAY as u64),
+        ..StatisticsOptions::default()
+    };
+    let worker = StatisticsWorker::new(store.clone(), options, metrics)
+        .with_clock(clock.clone() as Arc<dyn Clock>);
+    (store, worker, registry)
+}
+
+/// Stores a PSS report on `pod-<n>` of `namespace` with the rules at `failing` failing.
+async fn put_pss(store: &Store, namespace: &str, n: u64, failing: &[usize]) -> Value {
+    let report = pss(CLUSTER, namespace, n, failing, 0).report;
+    let name = report["metadata"]["name"].as_str().unwrap().to_owned();
+    store
+        .mutate::<StoreError, _>(&POLICY_REPORT, namespace, &name, false, |_| {
+            Ok(Mutation::Put(report.clone()))
+        })
+        .await
+        .expect("a report is stored");
+    report
+}
+
+/// The totals of `reports` as a trend row's counters.
+fn totals(reports: &[&Value]) -> [i64; 6] {
+    let fixtures: Vec<Fixture> = reports
+        .iter()
+        .map(|r| Fixture {
+            cluster: CLUSTER,
+            report: (*r).clone(),
+        })
+        .collect();
+    counts(rows(&fixtures).iter())
+}
+
+fn rfc3339(at: i64) -> String {
+    chrono::DateTime::from_timestamp(at, 0)
+        .unwrap()
+        .format("%Y-%m-%dT%H:%M:%SZ")
+        .to_string()
+}
+
+fn trend(by: Option<Grouping>, since: i64) -> Question {
+    Question::Trend {
+        by,
+        filter: filter(),
+        since,
+    }
+}
+
+/// The value of each series of `metric` in the text exposition, by its label text.
+fn series(registry: &Registry, metric: &str) -> BTreeMap<String, i64> {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+    text.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(metric)?.strip_prefix('{')?;
+            let (labels, value) = rest.rsplit_once("} ")?;
+            Some((labels.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// What the gauges must say: the database's own counts, read with SQL of the test's.
+async fn check_gauges(db: &DatabaseConnection, registry: &Registry, context: &str) {
+    let sql = "SELECT COALESCE(source, '') AS source, policy, result, COUNT(*) AS n \
+               FROM report_results WHERE cluster_id = 'default' \
+               GROUP BY COALESCE(source, ''), policy, result";
+    let table = analytics::run_sql(db, sql).await.unwrap();
+    let want: BTreeMap<String, i64> = table
+        .rows
+        .iter()
+        .map(|r| {
+            let labels = format!(
+                "source=\"{}\",policy=\"{}\",result=\"{}\"",
+                text_of(&table, r, "source"),
+                text_of(&table, r, "policy"),
+                text_of(&table, r, "result")
+            );
+            (labels, number_of(&table, r, "n"))
+        })
+        .collect();
+    assert_eq!(
+        series(registry, "reports_server_statistics_results"),
+        want,
+        "{context}: result gauges"
+    );
+    let objects = analytics::run_sql(
+        db,
+        "SELECT COUNT(*) AS n FROM objects WHERE cluster_id = 'default'",
+    )
+    .await
+    .unwrap();
+    let objects = number_of(&objects, &objects.rows[0], "n");
+    let gauges = series(registry, "reports_server_statistics_objects");
+    let resource = "resource=\"policyreports.wgpolicyk8s.io\"";
+    assert_eq!(
+        gauges.get(resource).copied().unwrap_or(0),
+        objects,
+        "{context}: object gauges {gauges:?}"
+    );
+}
+
+/// Snapshots on a controlled clock: one per daily slot from the first round, none between,
+/// pruned after the retention; `query trend` gives each snapshot's counts as they were, in
+/// totals (empty snapshots too), per namespace and per cluster; and the gauges follow the
+/// database through writes and deletes.
+#[tokio::test]
+async fn history_snapshots_and_gauges_follow_a_controlled_clock_on_every_backend() {
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let url = backend
+            .database_url(dir.path())
+            .unwrap_or_else(|e| panic!("{backend:?}: {e:#}"));
+        let clock = Arc::new(ManualClock::default());
+        let (store, worker, registry) = statistics_of(&url, CLUSTER, &clock).await;
+        let db = analytics::connect_read_only(&url, Duration::from_secs(10))
+            .await
+            .unwrap();
+        let day = |n: i64| MIDNIGHT + n * DAY + 3_600;
+
+        // Day 0: nothing stored yet; the snapshot is taken all the same.
+        clock.set(day(0));
+        worker.round().await;
+        check_gauges(&db, &registry, &format!("{backend:?} empty")).await;
+        // Day 1: two reports; a second round the same day takes nothing.
+        let a = put_pss(&store, "team-a", 1, &[0, 1, 2]).await;
+        let b = put_pss(&store, "team-b", 2, &[3]).await;
+        clock.set(day(1));
+        worker.round().await;
+        clock.set(day(1) + 7_000);
+        worker.round().await;
+        check_gauges(&db, &registry, &format!("{backend:?} day 1")).await;
+        // Day 2: team-a fixed two of its failures, team-b's report deleted.
+        let a2 = put_pss(&store, "team-a", 1, &[0]).await;
+        let b_name = b["metadata"]["name"].as_str().unwrap();
+        store
+            .mutate::<StoreError, _>(&POLICY_REPORT, "team-b", b_name, false, |_| {
+                Ok(Mutation::Delete)
+            })
+            .await
+            .expect("the report is deleted");
+        clock.set(day(2));
+        worker.round().await;
+        check_gauges(&db, &registry, &format!("{backend:?} day 2")).await;
+
+        let answer = ask(&db, trend(None, MIDNIGHT)).await;
+        let times: Vec<String> = answer
+            .rows
+            .iter()
+            .map(|r| text_of(&answer, r, "taken_at"))
+            .collect();
+        assert_eq!(
+            times,
+            [rfc3339(day(0)), rfc3339(day(1)), rfc3339(day(2))],
+            "{backend:?}: one snapshot per day"
+        );
+        let got: Vec<[i64; 5]> = answer
+            .rows
+            .iter()
+            .map(|r| ["pass", "fail", "warn", "error", "skip"].map(|c| number_of(&answer, r, c)))
+            .collect();
+        assert_eq!(got[0], [0; 5], "{backend:?}: the empty day");
+        assert_eq!(answer.rows[0][column(&answer, "ratio")], Value::Null);
+        check_counters(&answer, &answer.rows[1], totals(&[&a, &b]), "day 1");
+        check_counters(&answer, &answer.rows[2], totals(&[&a2]), "day 2");
+
+        let by_namespace = ask(&db, trend(Some(Grouping::Namespace), MIDNIGHT)).await;
+        let keys: Vec<(String, String)> = text_pairs(&by_namespace, "taken_at", "namespace");
+        assert_eq!(
+            keys,
+            [
+                (rfc3339(day(1)), "team-a".to_owned()),
+                (rfc3339(day(1)), "team-b".to_owned()),
+                (rfc3339(day(2)), "team-a".to_owned()),
+            ],
+            "{backend:?}"
+        );
+        check_counters(
+            &by_namespace,
+            &by_namespace.rows[1],
+            totals(&[&b]),
+            "team-b",
+        );
+        let since_day_2 = ask(&db, trend(None, day(2))).await;
+        assert_eq!(since_day_2.rows.len(), 1, "{backend:?}: --since");
+
+        // Another cluster of the database keeps its own history.
+        let (_other, other_worker, _) = statistics_of(&url, OTHER_CLUSTER, &clock).await;
+        other_worker.round().await;
+        let fleet = ask(&db, trend(Some(Grouping::Cluster), MIDNIGHT)).await;
+        let clusters: BTreeMap<String, usize> =
+            fleet.rows.iter().fold(BTreeMap::new(), |mut m, r| {
+                *m.entry(text_of(&fleet, r, "cluster_id")).or_default() += 1;
+                m
+            });
+        assert_eq!(
+            clusters,
+            BTreeMap::from([(CLUSTER.to_owned(), 3), (OTHER_CLUSTER.to_owned(), 1)]),
+            "{backend:?}"
+        );
+
+        if backend == Backend::Sqlite {
+            copy_of_history(&url, dir.path(), &answer).await;
+        }
+
+        // Day 9: a week's retention drops days 0 and 1 (taken before day 2's 01:00).
+        clock.set(day(9));
+        worker.round().await;
+        let kept = ask(&db, trend(None, 0)).await;
+        let times: Vec<String> = kept
+            .rows
+            .iter()
+            .map(|r| text_of(&kept, r, "taken_at"))
+            .collect();
+        assert_eq!(times, [rfc3339(day(2)), rfc3339(day(9))], "{backend:?}");
+        check_counters(&kept, &kept.rows[1], totals(&[&a2]), "day 9");
+    }
+}
+
+/// `reports-server backup`'s copy of the SQLite database, taken with the store open, answers
+/// as the original; with `REPORTS_SERVER_ANALYTICS_KEEP=DIR` it is left in `DIR/history` for the
+/// `query trend` outputs of docs/analytics.md.
+async fn copy_of_history(url: &str, dir: &std::path::Path, original: &Table) {
+    let keep = std::env::var_os("REPORTS_SERVER_ANALYTICS_KEEP").map(std::path::PathBuf::from);
+    let into = match keep {
+        Some(keep) => keep.join("history"),
+        None => dir.join("copy"),
+    };
+    std::fs::create_dir_all(&into).unwrap();
+    let file = into.join("reports.db");
+    let _ = std::fs::remove_file(&file);
+    let bytes = analytics::copy_sqlite(url, &file, Duration::from_secs(10))
+        .await
+        .expect("the copy is taken");
+    assert!(bytes > 0);
+    let again = analytics::copy_sqlite(url, &file, Duration::from_secs(10)).await;
+    assert!(
+        matches!(again, Err(AnalyticsError::Copy(_))),
+        "an existing file is never overwritten: {again:?}"
+    );
+    let copy = format!("sqlite://{}", file.display());
+    let db = analytics::connect_read_only(&copy, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let answer = ask(&db, trend(None, MIDNIGHT)).await;
+    assert_eq!(
+        answer.rows, original.rows,
+        "the copy answers as the original"
+    );
 }

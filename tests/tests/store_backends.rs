@@ -1229,6 +1229,7 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
         assert_eq!(
             undone,
             [
+                "m20261128_000011_compliance_history",
                 "m20261128_000010_cluster_identity",
                 "m20261128_000009_analytics_views",
                 "m20261127_000008_mysql_binary_collation",

@@ -28,11 +28,13 @@ pub mod merge_input;
 pub mod migration;
 mod mutate;
 mod policy_rules;
+mod pool_metrics;
 mod prepared;
 mod read;
 pub mod ring;
 pub mod schema;
 mod statements;
+pub mod statistics;
 mod write;
 
 use std::sync::Arc;
@@ -517,6 +519,10 @@ impl Store {
     /// Adds the store's metrics (group commit rounds) to a `/metrics` registry.
     pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         self.health.register(registry);
+        registry.register_collector(Box::new(pool_metrics::PoolCollector::new(
+            self.db.clone(),
+            self.options.max_connections,
+        )));
         self.commit_queue.register(registry);
         self.feed.register(registry);
     }

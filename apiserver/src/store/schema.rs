@@ -118,3 +118,32 @@ pub enum Leases {
     /// clock, see `store::lease`).
     ExpiresAt,
 }
+
+/// One row per compliance snapshot a cluster took (since
+/// `m20261128_000011_compliance_history`): a snapshot of a cluster without any result is still
+/// a point of its history.
+#[derive(DeriveIden)]
+pub enum ComplianceSnapshots {
+    Table,
+    ClusterId,
+    /// Unix seconds (UTC) when the snapshot was taken.
+    TakenAt,
+}
+
+/// The counts of one snapshot per namespace, source and policy.
+#[derive(DeriveIden)]
+pub enum ComplianceHistory {
+    Table,
+    ClusterId,
+    TakenAt,
+    /// `""` for cluster-scoped reports.
+    Namespace,
+    /// `""` when results name no source.
+    Source,
+    Policy,
+    Pass,
+    Fail,
+    Warn,
+    Error,
+    Skip,
+}

@@ -17,6 +17,7 @@ pub(crate) mod m20261125_000007_sqlite_lz4_bodies;
 pub(crate) mod m20261127_000008_mysql_binary_collation;
 pub(crate) mod m20261128_000009_analytics_views;
 pub(crate) mod m20261128_000010_cluster_identity;
+pub(crate) mod m20261128_000011_compliance_history;
 
 pub struct Migrator;
 
@@ -34,6 +35,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261127_000008_mysql_binary_collation::Migration),
             Box::new(m20261128_000009_analytics_views::Migration),
             Box::new(m20261128_000010_cluster_identity::Migration),
+            Box::new(m20261128_000011_compliance_history::Migration),
         ]
     }
 }
