@@ -45,6 +45,12 @@ pub mod condition {
     /// `Ready`: a server whose database is down still serves discovery and answers data
     /// requests 503, and an outage usually ends without the user.
     pub const DATABASE_AVAILABLE: &str = "DatabaseAvailable";
+    /// Whether analysts' read-only access (`spec.analytics.readOnlyRole`) is in place; only
+    /// while it is asked for. Not part of `Ready`: the reports are served either way.
+    pub const ANALYTICS_ACCESS: &str = "AnalyticsAccess";
+    /// Whether the ServiceMonitor (`spec.monitoring.serviceMonitor`) is in place; only while
+    /// it is asked for. Not part of `Ready`.
+    pub const MONITORING: &str = "Monitoring";
 }
 
 /// One reports-server installation: database, replicas, TLS, served groups, aggregation, or a
@@ -150,6 +156,75 @@ pub struct ReportsServerSpec {
     pub external: Option<ExternalSpec>,
     /// Moving reports that are in etcd-backed CRDs into the database, and back.
     pub migration: MigrationSpec,
+    /// Read-only SQL access for analysts (docs/analytics-access.md). Off by default.
+    pub analytics: AnalyticsSpec,
+    /// Prometheus Operator objects for scraping the servers' `/metrics`. Off by default.
+    pub monitoring: MonitoringSpec,
+}
+
+/// Read-only SQL access to the reports for analysts (docs/analytics-access.md).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct AnalyticsSpec {
+    /// A PostgreSQL role that may only read, with its connection details in a Secret.
+    pub read_only_role: ReadOnlyRoleSpec,
+}
+
+/// The analysts' read-only PostgreSQL role.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ReadOnlyRoleSpec {
+    /// With `database.postgres.managed`, the operator keeps a LOGIN role `reports_analytics`
+    /// that may read every table and view (also those later releases add) and nothing else,
+    /// and writes its connection details into a Secret [default: false]. Other databases: the
+    /// `AnalyticsAccess` condition says what to do instead (docs/analytics-access.md). Turned
+    /// off, the role is dropped and the Secret deleted.
+    pub enabled: bool,
+    /// The Secret with `host`, `port`, `database`, `username`, `password`, `uri` and
+    /// `REPORTS_SERVER_DATABASE_URL` [default: `<name>-analytics`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub secret_name: Option<String>,
+}
+
+/// Monitoring of the servers by a Prometheus Operator.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct MonitoringSpec {
+    /// A `monitoring.coreos.com/v1` ServiceMonitor for the servers' authorized `/metrics`.
+    pub service_monitor: ServiceMonitorSpec,
+}
+
+/// The servers' ServiceMonitor.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ServiceMonitorSpec {
+    /// Create a ServiceMonitor `<name>` (HTTPS with the serving CA, a bearer token of the
+    /// ServiceAccount `<name>-metrics-reader`, which may only `get /metrics`) [default: false].
+    /// Only where the `monitoring.coreos.com` API exists; elsewhere the `Monitoring` condition
+    /// says so and nothing else changes.
+    pub enabled: bool,
+    /// Scrape interval [default: `30s`].
+    #[schemars(pattern(r"^([0-9]+(ms|s|m|h))+$"))]
+    pub interval: String,
+    /// Scrape timeout, at most the interval [default: `10s`].
+    #[schemars(pattern(r"^([0-9]+(ms|s|m|h))+$"))]
+    pub scrape_timeout: String,
+    /// Extra labels of the ServiceMonitor, e.g. the `release` your Prometheus'
+    /// `serviceMonitorSelector` matches [default: none].
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Default for ServiceMonitorSpec {
+    fn default() -> Self {
+        ServiceMonitorSpec {
+            enabled: false,
+            interval: "30s".into(),
+            scrape_timeout: "10s".into(),
+            labels: BTreeMap::new(),
+        }
+    }
 }
 
 /// Migration of reports between etcd-backed CRDs and the server (docs/migration.md).
@@ -445,6 +520,8 @@ impl Default for ReportsServerSpec {
             api_services: ApiServicesSpec::default(),
             external: None,
             migration: MigrationSpec::default(),
+            analytics: AnalyticsSpec::default(),
+            monitoring: MonitoringSpec::default(),
         }
     }
 }
@@ -456,7 +533,8 @@ pub struct ReportsServerStatus {
     /// The `metadata.generation` this status describes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready`, `Reconciling`, `Stalled`, `Degraded`, `DatabaseAvailable`.
+    /// `Ready`, `Reconciling`, `Stalled`, `Degraded`, `DatabaseAvailable`, and while their
+    /// options are on `AnalyticsAccess` and `Monitoring`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// The database in use.

@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use reports_server_crds::reportsserver::{ExternalPostgresSpec, ReportsServer, ReportsServerSpec};
 use serde_json::{Value, json};
 
+use crate::analytics::{MANAGED_DATABASE, MANAGED_OWNER};
 use crate::{MANAGED_BY, OWNER_ANNOTATION, rbac};
 
 /// Port the server container listens on.
@@ -238,6 +239,9 @@ pub struct Inputs<'a> {
     pub owner_uid: Option<String>,
     /// Whether the pods name their user and group ids.
     pub pod_ids: PodIds,
+    /// Whether the cluster serves `monitoring.coreos.com/v1` ServiceMonitors: only then does
+    /// `spec.monitoring.serviceMonitor` create anything.
+    pub monitoring_api: bool,
 }
 
 /// The objects of one installation, in apply order.
@@ -454,8 +458,111 @@ pub fn desired(inputs: &Inputs<'_>) -> Desired {
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(rs)}},
     }));
     d.unowned.extend(rbac_unowned);
+    if rs.spec.monitoring.service_monitor.enabled && inputs.monitoring_api {
+        let (owned, unowned) = service_monitor(rs, &tls, inputs.owner_uid.as_deref());
+        d.owned.extend(owned);
+        d.unowned.extend(unowned);
+    }
     d.api_services = api_services(inputs, &svc, 443, &tls.ca_pem);
     d
+}
+
+/// The ServiceAccount Prometheus scrapes the servers as (`spec.monitoring.serviceMonitor`); no
+/// pod runs as it.
+pub fn metrics_reader_name(rs: &ReportsServer) -> String {
+    format!("{}-metrics-reader", name_of(rs))
+}
+
+/// The Secret holding the token of [`metrics_reader_name`].
+pub fn metrics_reader_token_name(rs: &ReportsServer) -> String {
+    format!("{}-token", metrics_reader_name(rs))
+}
+
+/// The ClusterRoleBinding of [`metrics_reader_name`] to [`rbac::METRICS_READER_ROLE`].
+pub fn metrics_reader_binding_name(rs: &ReportsServer) -> String {
+    format!("{}:metrics-reader", cluster_name(rs))
+}
+
+/// The ServiceMonitor of the servers and the identity it scrapes with. The servers authorize
+/// `/metrics` with a SubjectAccessReview (`get` on the non-resource URL), so Prometheus needs a
+/// bearer token of an account bound to [`rbac::METRICS_READER_ROLE`]: a ServiceAccount of this
+/// installation with a token Secret the ServiceMonitor names, which works whatever account the
+/// Prometheus runs as (the Prometheus Operator reads Secrets in the ServiceMonitor's namespace).
+/// TLS is verified against the serving CA, under the Service's DNS name the certificate carries.
+fn service_monitor(
+    rs: &ReportsServer,
+    tls: &Tls,
+    owner_uid: Option<&str>,
+) -> (Vec<Value>, Vec<Value>) {
+    let spec = &rs.spec.monitoring.service_monitor;
+    let reader = metrics_reader_name(rs);
+    let token = metrics_reader_token_name(rs);
+    let mut token_meta = owned_meta(rs, &token);
+    token_meta["annotations"] = json!({"kubernetes.io/service-account.name": reader});
+    let mut monitor_meta = owned_meta(rs, &name_of(rs));
+    let mut monitor_labels = spec.labels.clone();
+    // Ours last: the managed-by label is how the operator's watches find its objects.
+    monitor_labels.extend(labels(rs));
+    monitor_meta["labels"] = json!(monitor_labels);
+    let owned = vec![
+        json!({
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": owned_meta(rs, &reader),
+            "automountServiceAccountToken": false,
+        }),
+        json!({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": token_meta,
+            "type": "kubernetes.io/service-account-token",
+        }),
+        json!({
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "ServiceMonitor",
+            "metadata": monitor_meta,
+            "spec": {
+                "selector": {"matchLabels": selector_labels(rs)},
+                "namespaceSelector": {"matchNames": [ns_of(rs)]},
+                "endpoints": [{
+                    "port": "https",
+                    "scheme": "https",
+                    "path": "/metrics",
+                    "interval": spec.interval,
+                    "scrapeTimeout": spec.scrape_timeout,
+                    "authorization": {"type": "Bearer", "credentials": {"name": token, "key": "token"}},
+                    "tlsConfig": {
+                        "ca": {"secret": {"name": tls.secret_name, "key": "ca.crt"}},
+                        "serverName": format!("{}.{}.svc", service_name(rs), ns_of(rs)),
+                    },
+                }],
+            },
+        }),
+    ];
+    let unowned = vec![json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": unowned_meta(rs, owner_uid, &metrics_reader_binding_name(rs), None),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": rbac::METRICS_READER_ROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": reader, "namespace": ns_of(rs)}],
+    })];
+    (owned, unowned)
+}
+
+/// Name of the analysts' Secret (`spec.analytics.readOnlyRole.secretName`).
+pub fn analytics_secret_name(rs: &ReportsServer) -> String {
+    rs.spec
+        .analytics
+        .read_only_role
+        .secret_name
+        .clone()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| format!("{}-analytics", name_of(rs)))
+}
+
+/// DNS name of the managed PostgreSQL's Service.
+pub fn postgres_host(rs: &ReportsServer) -> String {
+    format!("{}.{}.svc", postgres_name(rs), ns_of(rs))
 }
 
 fn api_services(inputs: &Inputs<'_>, svc: &str, port: i32, ca_pem: &str) -> Vec<Value> {
@@ -590,13 +697,13 @@ fn managed_postgres(
         "name": "postgres",
         "image": pg.image,
         "env": [
-            {"name": "POSTGRES_DB", "value": "reports"},
-            {"name": "POSTGRES_USER", "value": "reports"},
+            {"name": "POSTGRES_DB", "value": MANAGED_DATABASE},
+            {"name": "POSTGRES_USER", "value": MANAGED_OWNER},
             {"name": "POSTGRES_PASSWORD", "valueFrom": {"secretKeyRef": {"name": name, "key": "password"}}},
             {"name": "PGDATA", "value": "/var/lib/postgresql/data/pgdata"},
         ],
         "ports": [{"name": "postgres", "containerPort": 5432}],
-        "readinessProbe": {"exec": {"command": ["pg_isready", "-U", "reports", "-d", "reports"]}, "periodSeconds": 5},
+        "readinessProbe": {"exec": {"command": ["pg_isready", "-U", MANAGED_OWNER, "-d", MANAGED_DATABASE]}, "periodSeconds": 5},
         "volumeMounts": [{"name": "data", "mountPath": "/var/lib/postgresql/data"}],
         // Restricted Pod Security Standard: the entrypoint of the official image runs as the
         // pod's user when that is not root (its data directory, PGDATA, a subdirectory of the
@@ -655,10 +762,10 @@ fn database_env(rs: &ReportsServer, db: &Database) -> (Vec<Value>, Vec<Value>, V
         Database::Sqlite { .. } | Database::External => {}
         Database::ManagedPostgres(_) => {
             let pg = postgres_name(rs);
-            env.push(json!({"name": "DB_HOST", "value": format!("{pg}.{}.svc", ns_of(rs))}));
+            env.push(json!({"name": "DB_HOST", "value": postgres_host(rs)}));
             env.push(json!({"name": "DB_PORT", "value": "5432"}));
-            env.push(json!({"name": "DB_DATABASE", "value": "reports"}));
-            env.push(json!({"name": "DB_USER", "value": "reports"}));
+            env.push(json!({"name": "DB_DATABASE", "value": MANAGED_DATABASE}));
+            env.push(json!({"name": "DB_USER", "value": MANAGED_OWNER}));
             env.push(env_secret("DB_PASSWORD", &pg, "password"));
         }
         Database::ExternalPostgres(e) => {
@@ -908,6 +1015,7 @@ mod tests {
             foreign_api_services: Vec::new(),
             owner_uid: None,
             pod_ids: ids,
+            monitoring_api: true,
         });
         d.owned
             .iter()
@@ -1107,6 +1215,7 @@ mod tests {
             foreign_api_services: vec!["v1.reports.kyverno.io".into()],
             owner_uid: Some("clusterrole-uid".into()),
             pod_ids: PodIds::Fixed,
+            monitoring_api: true,
         });
         let names: Vec<&str> = d
             .api_services

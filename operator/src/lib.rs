@@ -29,6 +29,7 @@
 #![warn(clippy::too_many_lines)]
 #![cfg_attr(test, allow(clippy::too_many_lines))]
 
+pub mod analytics;
 pub mod controller;
 pub mod database_check;
 pub mod desired;

@@ -61,6 +61,11 @@ fn server_roles() -> Vec<Value> {
             server_labels(),
             &rbac::migration_rules(),
         ),
+        cluster_role(
+            rbac::METRICS_READER_ROLE,
+            server_labels(),
+            &rbac::metrics_reader_rules(),
+        ),
     ]
 }
 
@@ -291,6 +296,38 @@ networkPolicy:
   serverFrom: []
   # Who may scrape the operator's metrics (NetworkPolicyPeers). Empty: any source.
   metricsFrom: []
+  # Who else may reach the operator's PostgreSQL besides the servers and the operator
+  # (NetworkPolicyPeers), e.g. the analysts' pods of docs/analytics-access.md. Empty: nobody.
+  postgresFrom: []
+# Prometheus Operator objects for the servers' and the operator's metrics (docs/operator.md
+# \"Scraping /metrics\"). The servers authorize /metrics (get on the non-resource URL): the
+# scraping account needs the shipped ClusterRole reports-server:metrics-reader (scraper below).
+metrics:
+  # A ServiceMonitor for every server Service of this namespace (HTTPS port https, /metrics).
+  # Not together with a ReportsServer's spec.monitoring.serviceMonitor (scraped twice).
+  serviceMonitor:
+    enabled: false
+    interval: 30s
+    scrapeTimeout: 10s
+    # Extra labels, e.g. the release label your Prometheus' serviceMonitorSelector matches.
+    labels: {{}}
+    # The token the Prometheus sends: its own ServiceAccount's (bind it: scraper below).
+    bearerTokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token
+    # TLS of the scrape. Empty: the certificate is not verified (insecureSkipVerify), since each
+    # ReportsServer has its own CA; for one installation give its CA instead:
+    # {{ca: {{secret: {{name: reports-server-tls, key: ca.crt}}}}, serverName: reports-server.<namespace>.svc}}
+    tlsConfig: {{}}
+  # A PodMonitor for the operator's own pods (plain HTTP, port metrics).
+  podMonitor:
+    enabled: false
+    interval: 30s
+    labels: {{}}
+  # The ServiceAccount your Prometheus scrapes with: bound to reports-server:metrics-reader
+  # (get /metrics, nothing else) by a ClusterRoleBinding. Empty name: no binding.
+  scraper:
+    serviceAccountName: \"\"
+    # Default: the release namespace.
+    namespace: \"\"
 # Extra operator flags, e.g. [\"--ready-requeue-seconds=600\"] (see `reports-server operator --help`).
 extraArgs: []
 ",
@@ -304,6 +341,9 @@ extraArgs: []
 fn helm_values_schema() -> String {
     let object = json!({"type": "object"});
     let array = json!({"type": "array"});
+    // Prometheus durations, as the Prometheus Operator's CRDs validate them.
+    let duration = json!({"type": "string", "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"});
+    let labels = json!({"type": "object", "additionalProperties": {"type": "string"}});
     let schema = json!({
         "$schema": "https://json-schema.org/draft-07/schema#",
         "type": "object",
@@ -330,6 +370,26 @@ fn helm_values_schema() -> String {
                 "enabled": {"type": "boolean"},
                 "serverFrom": array,
                 "metricsFrom": array,
+                "postgresFrom": array,
+            }},
+            "metrics": {"type": "object", "additionalProperties": false, "properties": {
+                "serviceMonitor": {"type": "object", "additionalProperties": false, "properties": {
+                    "enabled": {"type": "boolean"},
+                    "interval": duration.clone(),
+                    "scrapeTimeout": duration.clone(),
+                    "labels": labels.clone(),
+                    "bearerTokenFile": {"type": "string"},
+                    "tlsConfig": object,
+                }},
+                "podMonitor": {"type": "object", "additionalProperties": false, "properties": {
+                    "enabled": {"type": "boolean"},
+                    "interval": duration,
+                    "labels": labels,
+                }},
+                "scraper": {"type": "object", "additionalProperties": false, "properties": {
+                    "serviceAccountName": {"type": "string"},
+                    "namespace": {"type": "string"},
+                }},
             }},
             "extraArgs": {"type": "array", "items": {"type": "string"}},
         },
@@ -445,6 +505,7 @@ pub fn helm_chart() -> BTreeMap<&'static str, String> {
             "templates/networkpolicy.yaml",
             HELM_NETWORK_POLICY.to_string(),
         ),
+        ("templates/monitoring.yaml", HELM_MONITORING.to_string()),
         ("templates/operator.yaml", templates),
         ("templates/NOTES.txt", HELM_NOTES.to_string()),
         ("README.md", HELM_README.to_string()),
@@ -480,7 +541,8 @@ spec:
       {{- toYaml . | nindent 6 }}
     {{- end }}
 ---
-# The operator's PostgreSQL (spec.database.postgres.managed) accepts the servers only.
+# The operator's PostgreSQL (spec.database.postgres.managed) accepts the servers, the operator
+# (the analysts' read-only role, docs/analytics-access.md) and networkPolicy.postgresFrom.
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
 metadata:
@@ -499,6 +561,12 @@ spec:
     - podSelector:
         matchLabels:
           app.kubernetes.io/name: reports-server
+    - podSelector:
+        matchLabels:
+          app.kubernetes.io/name: reports-server-operator
+    {{- with .Values.networkPolicy.postgresFrom }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
     ports:
     - protocol: TCP
       port: 5432
@@ -524,6 +592,96 @@ spec:
     from:
       {{- toYaml . | nindent 6 }}
     {{- end }}
+{{- end }}
+"#;
+
+/// The chart's optional Prometheus Operator objects and the scraper's binding. The servers'
+/// ServiceMonitor selects every server Service of the namespace by the labels the operator
+/// gives them (`operator/tests/manifests.rs` checks them against the golden objects); it
+/// scrapes with the Prometheus' own token, since a chart-wide one cannot name each
+/// installation's identity (`spec.monitoring` does that per ReportsServer).
+const HELM_MONITORING: &str = r#"{{- with .Values.metrics.serviceMonitor }}
+{{- if .enabled }}
+# The servers' authorized /metrics (docs/operator.md "Scraping /metrics").
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: reports-server
+  namespace: {{ $.Release.Namespace }}
+  labels:
+    app.kubernetes.io/part-of: reports-server
+    {{- with .labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      app.kubernetes.io/name: reports-server
+      app.kubernetes.io/managed-by: reports-server-operator
+  namespaceSelector:
+    matchNames:
+    - {{ $.Release.Namespace }}
+  endpoints:
+  - port: https
+    scheme: https
+    path: /metrics
+    interval: {{ .interval }}
+    scrapeTimeout: {{ .scrapeTimeout }}
+    bearerTokenFile: {{ .bearerTokenFile }}
+    tlsConfig:
+      {{- if .tlsConfig }}
+      {{- toYaml .tlsConfig | nindent 6 }}
+      {{- else }}
+      insecureSkipVerify: true
+      {{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.metrics.podMonitor }}
+{{- if .enabled }}
+---
+# The operator's own /metrics (plain HTTP).
+apiVersion: monitoring.coreos.com/v1
+kind: PodMonitor
+metadata:
+  name: reports-server-operator
+  namespace: {{ $.Release.Namespace }}
+  labels:
+    app.kubernetes.io/part-of: reports-server
+    {{- with .labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      app.kubernetes.io/name: reports-server-operator
+  namespaceSelector:
+    matchNames:
+    - {{ $.Release.Namespace }}
+  podMetricsEndpoints:
+  - port: metrics
+    path: /metrics
+    interval: {{ .interval }}
+{{- end }}
+{{- end }}
+{{- with .Values.metrics.scraper }}
+{{- if .serviceAccountName }}
+---
+# The Prometheus' account may get /metrics (and nothing else).
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: reports-server:metrics-reader:{{ $.Release.Namespace }}:{{ $.Release.Name }}
+  labels:
+    app.kubernetes.io/part-of: reports-server
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: reports-server:metrics-reader
+subjects:
+- kind: ServiceAccount
+  name: {{ .serviceAccountName }}
+  namespace: {{ .namespace | default $.Release.Namespace }}
+{{- end }}
 {{- end }}
 "#;
 
@@ -576,9 +734,38 @@ This chart is generated (`operator/src/manifests.rs`) from the same code as
 | `podIds` | `auto` | user and group ids of the server and PostgreSQL pods: `fixed` (65532 / 999, also as `fsGroup`), `platform` (none set; OpenShift's restricted SCC assigns them), `auto` (`platform` where the release namespace carries OpenShift's `openshift.io/sa.scc.uid-range` annotation) |
 | `networkPolicy.enabled` | `false` | ingress NetworkPolicies: servers accept their HTTPS port only, the operator's PostgreSQL the servers only, the operator its metrics port only |
 | `networkPolicy.serverFrom`, `networkPolicy.metricsFrom` | `[]` (any source) | NetworkPolicyPeers allowed to the servers' port and the operator's metrics; the servers' must keep kube-apiserver (the aggregation layer), the operator (its database checks call the servers) and Prometheus if it scrapes them |
+| `networkPolicy.postgresFrom` | `[]` (nobody) | NetworkPolicyPeers allowed to the operator's PostgreSQL besides the servers and the operator, e.g. the analysts' pods (docs/analytics-access.md) |
+| `metrics.serviceMonitor.enabled` | `false` | a ServiceMonitor (`monitoring.coreos.com/v1`) for every server Service of the release namespace: port `https`, scheme `https`, `/metrics` |
+| `metrics.serviceMonitor.interval`, `.scrapeTimeout` | `30s`, `10s` | of its endpoint |
+| `metrics.serviceMonitor.labels` | `{}` | extra labels, e.g. the `release` label your Prometheus' `serviceMonitorSelector` matches |
+| `metrics.serviceMonitor.bearerTokenFile` | `/var/run/secrets/kubernetes.io/serviceaccount/token` | the token Prometheus sends: its own ServiceAccount's, which `metrics.scraper` binds |
+| `metrics.serviceMonitor.tlsConfig` | `{}`: `insecureSkipVerify: true` | each ReportsServer has its own CA, which the chart cannot know; for one installation: `{ca: {secret: {name: <name>-tls, key: ca.crt}}, serverName: <name>.<namespace>.svc}` (replaces the default whole) |
+| `metrics.podMonitor.enabled`, `.interval`, `.labels` | `false`, `30s`, `{}` | a PodMonitor for the operator's own metrics (plain HTTP, port `metrics`) |
+| `metrics.scraper.serviceAccountName`, `.namespace` | `""` (no binding), the release namespace | the Prometheus' ServiceAccount, bound to the shipped ClusterRole `reports-server:metrics-reader` (`get` on `/metrics` only) |
 | `extraArgs` | `[]` | operator flags, e.g. `--allowed-server-images=ghcr.io/acme/reports-server` |
 
 `values.schema.json` refuses values of the wrong shape.
+
+## Scraping /metrics
+
+The servers authorize `/metrics` like kube-apiserver does (a SubjectAccessReview for `get` on
+the non-resource URL), over HTTPS. With the Prometheus Operator:
+
+```yaml
+metrics:
+  serviceMonitor:
+    enabled: true
+    labels: {release: kube-prometheus-stack}
+  podMonitor:
+    enabled: true
+  scraper:
+    serviceAccountName: kube-prometheus-stack-prometheus
+    namespace: monitoring
+```
+
+Or per ReportsServer, `spec.monitoring.serviceMonitor` (its own identity and CA, no
+`insecureSkipVerify`); not both. A plain Prometheus `scrape_config` and the details are in
+docs/operator.md "Scraping /metrics".
 
 ## Upgrading from chart versions with the CRD in `crds/`
 

@@ -26,6 +26,10 @@ pub const SERVER_CORE_ROLE: &str = "reports-server:core";
 pub const SERVER_ADOPTION_ROLE: &str = "reports-server:adoption";
 /// The migration's rights, bound only while `spec.migration.enabled`.
 pub const MIGRATION_ROLE: &str = "reports-server:migration";
+/// `get` on the non-resource URL `/metrics`: what the servers' delegated authorization asks of
+/// whoever scrapes them. Bound to the ServiceAccount of `spec.monitoring.serviceMonitor`, or by
+/// the chart to the Prometheus' own (`metrics.scraper`).
+pub const METRICS_READER_ROLE: &str = "reports-server:metrics-reader";
 /// The built-in role of delegated authentication and authorization.
 pub const AUTH_DELEGATOR_ROLE: &str = "system:auth-delegator";
 /// The built-in Role in kube-system that reads the client-CA ConfigMap of the front proxy.
@@ -39,6 +43,8 @@ pub struct Rule {
     pub verbs: Vec<String>,
     /// Empty: every object of these resources.
     pub resource_names: Vec<String>,
+    /// Non-resource URLs (then `api_groups` and `resources` are empty).
+    pub non_resource_urls: Vec<String>,
     pub why: &'static str,
 }
 
@@ -52,6 +58,7 @@ fn rule(groups: &[&str], resources: &[&str], verbs: &[&str], why: &'static str) 
         resources: strings(resources),
         verbs: strings(verbs),
         resource_names: Vec::new(),
+        non_resource_urls: Vec::new(),
         why,
     }
 }
@@ -64,6 +71,9 @@ fn named<S: AsRef<str>>(mut rule: Rule, names: &[S]) -> Rule {
 impl Rule {
     /// The rule as RBAC's `PolicyRule` JSON.
     pub fn to_json(&self) -> Value {
+        if !self.non_resource_urls.is_empty() {
+            return json!({"nonResourceURLs": self.non_resource_urls, "verbs": self.verbs});
+        }
         let mut rule = json!({
             "apiGroups": self.api_groups,
             "resources": self.resources,
@@ -270,6 +280,19 @@ pub fn migration_rules() -> Vec<Rule> {
     ]
 }
 
+/// [`METRICS_READER_ROLE`].
+pub fn metrics_reader_rules() -> Vec<Rule> {
+    vec![Rule {
+        non_resource_urls: strings(&["/metrics"]),
+        ..rule(
+            &[],
+            &[],
+            &["get"],
+            "scrapes the servers' /metrics, which they authorize with a SubjectAccessReview for this non-resource URL (it reads kube-apiserver's own /metrics too: the URL names no server)",
+        )
+    }]
+}
+
 /// The release account's rule (`<name>-release`, a Role of the ReportsServer's namespace): the
 /// operator removes its finalizer through it when the operator itself is being uninstalled and
 /// its own ServiceAccount or RBAC may already be gone.
@@ -358,7 +381,12 @@ pub fn operator_cluster_rules(namespace: &str) -> Vec<Rule> {
                 &["bind"],
                 "may bind only these roles, without holding their rights (no escalate)",
             ),
-            &[SERVER_ROLE, MIGRATION_ROLE, AUTH_DELEGATOR_ROLE],
+            &[
+                SERVER_ROLE,
+                MIGRATION_ROLE,
+                AUTH_DELEGATOR_ROLE,
+                METRICS_READER_ROLE,
+            ],
         ),
         rule(
             &["rbac.authorization.k8s.io"],
@@ -419,6 +447,12 @@ pub fn operator_namespace_rules() -> Vec<Rule> {
             &["roles", "rolebindings"],
             &WRITE,
             "the Role and RoleBinding of the migration mailbox (rights the operator holds itself)",
+        ),
+        rule(
+            &["monitoring.coreos.com"],
+            &["servicemonitors"],
+            &["get", "create", "update", "patch", "delete"],
+            "the servers' ServiceMonitor (spec.monitoring.serviceMonitor), where the Prometheus Operator's API exists",
         ),
         rule(
             &["discovery.k8s.io"],
@@ -514,6 +548,13 @@ pub fn all_roles(operator_namespace: &str) -> Vec<Role> {
             server_adoption_rules(),
         ),
         role(
+            "Prometheus (spec.monitoring's ServiceAccount, the chart's metrics.scraper)",
+            "ClusterRole",
+            METRICS_READER_ROLE,
+            None,
+            metrics_reader_rules(),
+        ),
+        role(
             migration,
             "ClusterRole",
             MIGRATION_ROLE,
@@ -587,10 +628,18 @@ pub fn permissions_table() -> String {
                     }
                 })
                 .collect();
+            let resources = if r.non_resource_urls.is_empty() {
+                r.resources.join(", ")
+            } else {
+                format!("non-resource URL {}", r.non_resource_urls.join(", "))
+            };
             out.push_str(&format!(
-                "| {account} | {role} | {} | {} | {} | {} | {} |\n",
-                groups.join(", "),
-                r.resources.join(", "),
+                "| {account} | {role} | {} | {resources} | {} | {} | {} |\n",
+                if groups.is_empty() {
+                    "—".to_owned()
+                } else {
+                    groups.join(", ")
+                },
                 r.verbs.join(", "),
                 if r.resource_names.is_empty() {
                     "—".to_owned()

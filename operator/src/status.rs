@@ -117,8 +117,21 @@ pub fn database_condition(
     generation: Option<i64>,
     now: Time,
 ) -> Condition {
+    observed_condition(previous, DATABASE_AVAILABLE, seen, generation, now)
+}
+
+/// A condition of type `type_` that reports an observation rather than the reconcile's outcome
+/// (`DatabaseAvailable`, `AnalyticsAccess`, `Monitoring`), keeping its `lastTransitionTime`
+/// from `previous` unless the status flipped.
+pub fn observed_condition(
+    previous: &[Condition],
+    type_: &str,
+    seen: &Observation,
+    generation: Option<i64>,
+    now: Time,
+) -> Condition {
     let mut out = [Condition {
-        type_: DATABASE_AVAILABLE.into(),
+        type_: type_.into(),
         status: seen.status_text().into(),
         reason: seen.reason.clone(),
         message: seen.message.clone(),

@@ -14,6 +14,7 @@ use http::{Request, Response};
 use kube::Client;
 use kube::client::Body;
 use reports_server_crds::reportsserver::*;
+use reports_server_operator::analytics::{Connection, SqlRunner};
 use reports_server_operator::http::Metrics;
 use reports_server_operator::{Context, OperatorConfig, controller};
 use serde_json::{Value, json};
@@ -184,15 +185,50 @@ struct Fixture {
     ctx: Arc<Context>,
 }
 
+/// The operator's PostgreSQL, as far as the analysts' grants go: records what it is asked to
+/// run, and fails while `failing` holds a message.
+#[derive(Default)]
+struct Sql {
+    runs: Mutex<Vec<(Connection, Vec<String>)>>,
+    failing: Mutex<Option<String>>,
+}
+
+impl Sql {
+    fn runs(&self) -> Vec<(Connection, Vec<String>)> {
+        std::mem::take(&mut self.runs.lock().unwrap())
+    }
+}
+
+impl SqlRunner for Sql {
+    fn run<'a>(
+        &'a self,
+        connection: &'a Connection,
+        statements: &'a [String],
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        self.runs
+            .lock()
+            .unwrap()
+            .push((connection.clone(), statements.to_vec()));
+        let result = match self.failing.lock().unwrap().clone() {
+            Some(message) => Err(message),
+            None => Ok(()),
+        };
+        Box::pin(async move { result })
+    }
+}
+
 impl Fixture {
     fn new() -> Self {
+        Self::with_sql(Arc::new(Sql::default()))
+    }
+
+    /// With `sql` in place of the operator's PostgreSQL connection.
+    fn with_sql(sql: Arc<Sql>) -> Self {
         let state: Shared = Arc::default();
         let client = mock_client(state.clone());
-        let ctx = Arc::new(Context::new(
-            client,
-            OperatorConfig::default(),
-            Metrics::new(),
-        ));
+        let ctx = Arc::new(
+            Context::new(client, OperatorConfig::default(), Metrics::new()).with_sql_runner(sql),
+        );
         Fixture { state, ctx }
     }
 
@@ -754,4 +790,190 @@ async fn deletion_waits_for_the_hand_back_then_releases_the_apiservices() {
     let rs = f.get(RS_PATH).unwrap();
     assert_eq!(rs["metadata"]["finalizers"], json!([]));
     assert_eq!(rs["status"]["migration"]["conditions"][0]["status"], "True");
+}
+
+const ANALYTICS_SECRET: &str = "/api/v1/namespaces/reports-server/secrets/reports-server-analytics";
+
+fn secret_value(secret: &Value, key: &str) -> String {
+    secret["stringData"][key]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn the_analysts_role_is_granted_on_the_managed_postgres_and_dropped_when_turned_off() {
+    let sql = Arc::new(Sql::default());
+    let f = Fixture::with_sql(sql.clone());
+    let spec = json!({"database": {"postgres": {"managed": {}}},
+                      "analytics": {"readOnlyRole": {"enabled": true}}});
+    f.put_rs(spec.clone(), 1);
+    // The database does not answer yet: said in the condition, the reports are served anyway.
+    *sql.failing.lock().unwrap() = Some("connection refused".into());
+    f.reconcile().await;
+    let access = f.condition("AnalyticsAccess");
+    assert_eq!(
+        (access["status"].as_str(), access["reason"].as_str()),
+        (Some("False"), Some("RoleNotReady")),
+        "{access}"
+    );
+    assert!(
+        access["message"]
+            .as_str()
+            .unwrap()
+            .contains("connection refused")
+    );
+    assert_eq!(f.condition("Ready")["status"], "True");
+    let secret = f.get(ANALYTICS_SECRET).expect("the analysts' Secret");
+    let password = secret_value(&secret, "password");
+    assert_eq!(password.len(), 32);
+    assert_eq!(secret_value(&secret, "username"), "reports_analytics");
+    assert_eq!(
+        secret_value(&secret, "host"),
+        "reports-server-postgres.reports-server.svc"
+    );
+    assert_eq!(
+        secret_value(&secret, "REPORTS_SERVER_DATABASE_URL"),
+        format!(
+            "postgres://reports_analytics:{password}@reports-server-postgres.reports-server.svc:5432/reports"
+        )
+    );
+    assert_eq!(secret["metadata"]["ownerReferences"][0]["uid"], "uid-1");
+    sql.runs();
+
+    // It answers: the grants run as the superuser, with the Secret's password for the role.
+    *sql.failing.lock().unwrap() = None;
+    f.reconcile().await;
+    let runs = sql.runs();
+    assert_eq!(runs.len(), 1, "{runs:#?}");
+    let (admin, statements) = &runs[0];
+    let superuser = f
+        .get("/api/v1/namespaces/reports-server/secrets/reports-server-postgres")
+        .unwrap();
+    assert_eq!(
+        (admin.user.as_str(), admin.password.as_str()),
+        ("reports", secret_value(&superuser, "password").as_str())
+    );
+    assert_eq!(
+        statements,
+        &reports_server_operator::analytics::managed_statements(&password)
+    );
+    assert_eq!(f.condition("AnalyticsAccess")["reason"], "RoleReady");
+    assert_eq!(
+        f.get(ANALYTICS_SECRET).unwrap(),
+        secret,
+        "the Secret is never rewritten"
+    );
+    // Converged: the next reconciles do not reconnect.
+    f.reconcile().await;
+    assert!(sql.runs().is_empty());
+
+    // Turned off: the role is dropped, the Secret deleted, the condition gone.
+    let mut off = spec;
+    off["analytics"]["readOnlyRole"]["enabled"] = json!(false);
+    f.put_rs(off, 2);
+    f.reconcile().await;
+    let runs = sql.runs();
+    assert_eq!(
+        runs.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>(),
+        [reports_server_operator::analytics::drop_statements(
+            "reports_analytics"
+        )]
+    );
+    assert!(f.get(ANALYTICS_SECRET).is_none());
+    assert!(f.condition("AnalyticsAccess").is_null());
+    // And nothing more is asked of the database afterwards.
+    f.reconcile().await;
+    assert!(sql.runs().is_empty());
+}
+
+#[tokio::test]
+async fn the_analysts_role_elsewhere_is_a_condition_pointing_at_the_docs() {
+    let f = Fixture::new();
+    let cases = [
+        (json!({}), "SqliteHasNoRoles"),
+        (
+            json!({"external": {"host": "localhost", "port": 6443, "caBundle": CA}}),
+            "ExternalServer",
+        ),
+    ];
+    for (generation, (mut spec, reason)) in (1..).zip(cases) {
+        spec["analytics"] = json!({"readOnlyRole": {"enabled": true}});
+        f.put_rs(spec, generation);
+        f.reconcile().await;
+        let access = f.condition("AnalyticsAccess");
+        assert_eq!(access["status"], "False", "{access}");
+        assert_eq!(access["reason"], reason, "{access}");
+        assert!(
+            access["message"]
+                .as_str()
+                .unwrap()
+                .contains("docs/analytics-access.md"),
+            "{access}"
+        );
+        assert_eq!(f.condition("Ready")["status"], "True");
+    }
+    assert!(f.get(ANALYTICS_SECRET).is_none());
+}
+
+#[tokio::test]
+async fn a_service_monitor_only_where_the_prometheus_operator_api_is_served() {
+    let f = Fixture::new();
+    let spec =
+        json!({"monitoring": {"serviceMonitor": {"enabled": true, "labels": {"release": "prom"}}}});
+    f.put_rs(spec.clone(), 1);
+    f.reconcile().await;
+    let monitoring = f.condition("Monitoring");
+    assert_eq!(
+        (monitoring["status"].as_str(), monitoring["reason"].as_str()),
+        (Some("False"), Some("ServiceMonitorNotServed")),
+        "{monitoring}"
+    );
+    assert_eq!(
+        f.condition("Ready")["status"],
+        "True",
+        "not a failed installation"
+    );
+    let monitor_path =
+        "/apis/monitoring.coreos.com/v1/namespaces/reports-server/servicemonitors/reports-server";
+    let binding_path = "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/reportsserver:reports-server:reports-server:metrics-reader";
+    assert!(!applied(&f.calls()).iter().any(|p| p.contains("metrics")));
+
+    // The Prometheus Operator is installed: the ServiceMonitor and its identity appear.
+    f.put(
+        "/apis/monitoring.coreos.com/v1",
+        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "monitoring.coreos.com/v1",
+               "resources": [{"name": "servicemonitors", "singularName": "servicemonitor", "namespaced": true,
+                              "kind": "ServiceMonitor", "verbs": ["get", "list", "create"]}]}),
+    );
+    f.reconcile().await;
+    let paths = applied(&f.calls());
+    for path in [
+        monitor_path,
+        binding_path,
+        "/api/v1/namespaces/reports-server/serviceaccounts/reports-server-metrics-reader",
+        "/api/v1/namespaces/reports-server/secrets/reports-server-metrics-reader-token",
+    ] {
+        assert!(
+            paths.contains(&path.to_string()),
+            "{path} not applied: {paths:#?}"
+        );
+    }
+    let monitor = f.get(monitor_path).unwrap();
+    assert_eq!(monitor["metadata"]["labels"]["release"], "prom");
+    assert_eq!(
+        f.get(binding_path).unwrap()["roleRef"]["name"],
+        "reports-server:metrics-reader"
+    );
+    assert_eq!(f.condition("Monitoring")["status"], "True");
+
+    // Turned off: all of it goes, and so does the condition.
+    let mut off = spec;
+    off["monitoring"]["serviceMonitor"]["enabled"] = json!(false);
+    f.put_rs(off, 2);
+    f.reconcile().await;
+    for path in [monitor_path, binding_path] {
+        assert!(f.get(path).is_none(), "{path} left behind");
+    }
+    assert!(f.condition("Monitoring").is_null());
 }

@@ -50,6 +50,7 @@ fn render(rs: &ReportsServer) -> String {
         foreign_api_services: Vec::new(),
         owner_uid: Some("00000000-0000-0000-0000-0000000000c7".into()),
         pod_ids: PodIds::Fixed,
+        monitoring_api: true,
     };
     desired::desired(&inputs).to_yaml()
 }
@@ -115,6 +116,25 @@ fn golden_objects_per_mode() {
                     ..Default::default()
                 },
                 ..Default::default()
+            }),
+        ),
+        (
+            "postgres-managed-analytics-monitoring",
+            rs(ReportsServerSpec {
+                analytics: AnalyticsSpec {
+                    read_only_role: ReadOnlyRoleSpec {
+                        enabled: true,
+                        secret_name: None,
+                    },
+                },
+                monitoring: MonitoringSpec {
+                    service_monitor: ServiceMonitorSpec {
+                        enabled: true,
+                        labels: [("release".to_string(), "prometheus".to_string())].into(),
+                        ..Default::default()
+                    },
+                },
+                ..managed(2)
             }),
         ),
         (

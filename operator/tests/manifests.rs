@@ -76,20 +76,25 @@ fn pod_templates() -> Vec<(serde_json::Value, Vec<i64>)> {
         .collect()
 }
 
+/// The objects of a chart template with its Helm directives dropped: every object the template
+/// can render, with every value at its default.
+fn chart_template(name: &str) -> Vec<serde_json::Value> {
+    let chart = reports_server_operator::manifests::helm_chart();
+    let text: String = chart[format!("templates/{name}").as_str()]
+        .lines()
+        .filter(|l| !l.contains("{{"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    yaml_docs(&text)
+}
+
 /// The chart's NetworkPolicies select pods the operator really creates, each exactly one kind of
 /// pod, and open the ports those pods listen on: a renamed label or port fails here rather than
 /// cutting kube-apiserver off the servers.
 #[test]
 fn network_policies_select_the_operators_pods() {
-    let chart = reports_server_operator::manifests::helm_chart();
-    // Helm directives dropped: what remains is the policies with every value at its default.
-    let text: String = chart["templates/networkpolicy.yaml"]
-        .lines()
-        .filter(|l| !l.contains("{{"))
-        .map(|l| format!("{l}\n"))
-        .collect();
-    let policies = yaml_docs(&text);
-    assert_eq!(policies.len(), 3, "{text}");
+    let policies = chart_template("networkpolicy.yaml");
+    assert_eq!(policies.len(), 3, "{policies:#?}");
     let templates = pod_templates();
     for policy in &policies {
         let name = policy["metadata"]["name"].as_str().unwrap();
@@ -114,7 +119,8 @@ fn network_policies_select_the_operators_pods() {
                 "{name}: opens {ports:?}, the pod {labels} listens on {listening:?}"
             );
         }
-        // Who may reach the database: the servers, selected by labels the server pods have.
+        // Who may reach the database: the servers and the operator (the analysts' role),
+        // selected by labels their pods have.
         for rule in policy["spec"]["ingress"].as_array().unwrap() {
             for peer in rule["from"].as_array().into_iter().flatten() {
                 let from = peer["podSelector"]["matchLabels"].as_object().unwrap();
@@ -122,10 +128,53 @@ fn network_policies_select_the_operators_pods() {
                     templates
                         .iter()
                         .any(|(l, _)| from.iter().all(|(k, v)| &l[k] == v)
-                            && l["app.kubernetes.io/name"] == "reports-server"),
-                    "{name}: its peers are not the servers"
+                            && ["reports-server", "reports-server-operator"].contains(
+                                &l["app.kubernetes.io/name"].as_str().unwrap_or_default()
+                            )),
+                    "{name}: its peer {peer} is not the servers or the operator"
                 );
             }
         }
     }
+}
+
+/// The chart's ServiceMonitor selects the servers' Services the operator creates (by their
+/// labels in the golden installations) on the port name they have, and its PodMonitor the
+/// operator's pods on their metrics port.
+#[test]
+fn the_charts_monitors_select_what_the_operator_creates() {
+    let docs = chart_template("monitoring.yaml");
+    let monitor = docs.iter().find(|d| d["kind"] == "ServiceMonitor").unwrap();
+    let wanted = monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .unwrap();
+    let golden = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    for name in ["sqlite", "postgres-managed"] {
+        let objects =
+            yaml_docs(&std::fs::read_to_string(golden.join(format!("{name}.yaml"))).unwrap());
+        let selected: Vec<&serde_json::Value> = objects
+            .iter()
+            .filter(|o| o["kind"] == "Service")
+            .filter(|o| wanted.iter().all(|(k, v)| &o["metadata"]["labels"][k] == v))
+            .collect();
+        assert_eq!(selected.len(), 1, "{name}: {selected:#?}");
+        assert_eq!(
+            selected[0]["spec"]["ports"][0]["name"], monitor["spec"]["endpoints"][0]["port"],
+            "{name}"
+        );
+    }
+    let pods = docs.iter().find(|d| d["kind"] == "PodMonitor").unwrap();
+    let wanted = pods["spec"]["selector"]["matchLabels"].as_object().unwrap();
+    let install = yaml_docs(&reports_server_operator::manifests::install_yaml());
+    let operator = install.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    let template = &operator["spec"]["template"];
+    assert!(
+        wanted
+            .iter()
+            .all(|(k, v)| &template["metadata"]["labels"][k] == v)
+    );
+    assert_eq!(
+        template["spec"]["containers"][0]["ports"][0]["name"],
+        pods["spec"]["podMetricsEndpoints"][0]["port"]
+    );
 }

@@ -28,6 +28,7 @@ fn roles() -> Vec<Value> {
     for name in [
         "sqlite",
         "postgres-managed",
+        "postgres-managed-analytics-monitoring",
         "postgres-external",
         "postgres-external-verify-full",
         "external",

@@ -109,8 +109,15 @@ pub(super) async fn converge(
             None
         }
     };
+    let monitoring_api =
+        if rs.spec.monitoring.service_monitor.enabled && database != Database::External {
+            Some(super::monitoring::serves_service_monitors(ctx).await)
+        } else {
+            None
+        };
     let inputs = Inputs {
         rs,
+        monitoring_api: matches!(monitoring_api, Some(Ok(true))),
         database: database.clone(),
         tls,
         external_ca_pem,
@@ -126,6 +133,19 @@ pub(super) async fn converge(
     };
     let want = desired::desired(&inputs);
     let workload = apply_workload(rs, ctx, &want, &database).await?;
+    // A discovery error keeps what exists: only "not served" or "not asked" removes it.
+    let keep_monitoring =
+        rs.spec.monitoring.service_monitor.enabled && !matches!(monitoring_api, Some(Ok(false)));
+    super::monitoring::remove_turned_off_monitoring(rs, ctx, previous, keep_monitoring).await?;
+    observed_conditions(
+        rs,
+        previous,
+        status,
+        [
+            super::analytics::converge_analytics(rs, ctx, &database, previous).await?,
+            super::monitoring::monitoring_observation(rs, &database, monitoring_api.as_ref()),
+        ],
+    );
     if let Err(e) = super::release::ensure_token(rs, ctx).await {
         tracing::warn!(error = %e, "no token of the release account: an uninstall of the operator may leave this ReportsServer's finalizer behind");
     }
@@ -170,6 +190,30 @@ pub(super) async fn converge(
         worker.as_ref(),
         workload.ready,
     ))
+}
+
+/// Puts the conditions that report observations of optional parts (`AnalyticsAccess`,
+/// `Monitoring`) into `status.conditions`, where [`publish_status`] keeps them next to the
+/// outcome's.
+fn observed_conditions(
+    rs: &ReportsServer,
+    previous: &ReportsServerStatus,
+    status: &mut ReportsServerStatus,
+    [analytics, monitoring]: [Option<crate::database_check::Observation>; 2],
+) {
+    use reports_server_crds::reportsserver::condition::{ANALYTICS_ACCESS, MONITORING};
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    for (type_, seen) in [(ANALYTICS_ACCESS, analytics), (MONITORING, monitoring)] {
+        if let Some(seen) = seen {
+            status.conditions.push(status::observed_condition(
+                &previous.conditions,
+                type_,
+                &seen,
+                rs.metadata.generation,
+                now.clone(),
+            ));
+        }
+    }
 }
 
 /// The enabled groups' APIServices as found before applying ours.
@@ -446,6 +490,7 @@ pub(super) async fn publish_status(
     use reports_server_crds::reportsserver::condition::READY;
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let generation = rs.metadata.generation;
+    let observed = std::mem::take(&mut status.conditions);
     status.conditions = status::conditions(&previous.conditions, outcome, generation, now.clone());
     status.conditions.push(status::database_condition(
         &previous.conditions,
@@ -453,6 +498,7 @@ pub(super) async fn publish_status(
         generation,
         now,
     ));
+    status.conditions.extend(observed);
     if status == *previous {
         return Ok(());
     }

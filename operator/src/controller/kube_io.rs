@@ -28,6 +28,7 @@ pub(super) fn api_resource(obj: &Value) -> ApiResource {
         "Role" => "roles",
         "RoleBinding" => "rolebindings",
         "APIService" => "apiservices",
+        "ServiceMonitor" => "servicemonitors",
         other => panic!("desired objects never have kind {other}"),
     };
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)

@@ -20,11 +20,13 @@
 //! (the facts the pure builders need), `kube_io` (small API helpers). This file holds the
 //! loop: `Context`, `reconcile`, `error_policy` and `run`.
 
+mod analytics;
 mod certificates;
 mod database;
 mod foreign;
 mod install;
 mod kube_io;
+mod monitoring;
 pub mod release;
 mod removal;
 
@@ -140,6 +142,10 @@ pub struct Context {
     databases: Mutex<HashMap<ObjectRef<ReportsServer>, Observation>>,
     /// Tokens of the installations' release accounts (`release`).
     release: release::ReleaseTokens,
+    /// Runs the analysts' grants on the operator's PostgreSQL (`crate::analytics`).
+    sql: Arc<dyn crate::analytics::SqlRunner>,
+    /// The last analysts' grants that succeeded, per installation (`analytics`).
+    analytics: Mutex<HashMap<ObjectRef<ReportsServer>, analytics::Converged>>,
 }
 
 impl Context {
@@ -156,7 +162,36 @@ impl Context {
             failures: Mutex::new(HashMap::new()),
             databases: Mutex::new(HashMap::new()),
             release: release::ReleaseTokens::new(None),
+            sql: Arc::new(crate::analytics::PostgresRunner),
+            analytics: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Runs the analysts' grants with `runner` instead of connecting to PostgreSQL (tests).
+    pub fn with_sql_runner(mut self, runner: Arc<dyn crate::analytics::SqlRunner>) -> Self {
+        self.sql = runner;
+        self
+    }
+
+    /// Remembers (or, `None`, forgets) the last analysts' grants that succeeded.
+    fn record_analytics(
+        &self,
+        key: ObjectRef<ReportsServer>,
+        converged: Option<analytics::Converged>,
+    ) {
+        let mut all = self.analytics.lock().expect("not poisoned");
+        match converged {
+            Some(c) => all.insert(key, c),
+            None => all.remove(&key),
+        };
+    }
+
+    fn analytics_converged(&self, key: &ObjectRef<ReportsServer>) -> Option<analytics::Converged> {
+        self.analytics
+            .lock()
+            .expect("not poisoned")
+            .get(key)
+            .cloned()
     }
 
     /// The client configuration the operator runs with, from which the release accounts'

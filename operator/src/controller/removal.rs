@@ -244,6 +244,7 @@ pub(super) async fn remove_cluster_objects(rs: &ReportsServer, ctx: &Context) ->
             desired::server_binding_name(rs),
             desired::migration_binding_name(rs),
             format!("{cluster}:auth-delegator"),
+            desired::metrics_reader_binding_name(rs),
         ],
     )
     .await?;
