@@ -145,7 +145,7 @@ pub struct DatabaseArgs {
     data_dir: String,
     /// Partition key so several clusters can share one database. In delegated mode the first
     /// server of a cluster records the cluster (its kube-system namespace UID) on the id, and a
-    /// server of another cluster refuses to start on it.
+    /// server of another cluster refuses to start on it. `all` is reserved (for `query`).
     #[arg(long, env = "REPORTS_SERVER_CLUSTER_ID", default_value = "default")]
     cluster_id: String,
     /// Take --cluster-id over for this cluster even though the database recorded another one
@@ -341,6 +341,13 @@ impl DatabaseArgs {
     }
 
     pub(crate) fn store_options(&self) -> anyhow::Result<StoreOptions> {
+        if self.cluster_id == reports_server_analytics::ALL_CLUSTERS {
+            anyhow::bail!(
+                "--cluster-id {:?} is reserved: `reports-server query --cluster-id all` reads \
+                 every cluster of the database; give this cluster another id",
+                reports_server_analytics::ALL_CLUSTERS
+            );
+        }
         let mut options = StoreOptions::new(self.url()?);
         options.cluster_id = self.cluster_id.clone();
         options.reclaim_cluster_id = self.reclaim_cluster_id;

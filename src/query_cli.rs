@@ -41,7 +41,8 @@ pub struct DatabaseLocation {
 struct ConnectionArgs {
     #[command(flatten)]
     location: DatabaseLocation,
-    /// The cluster whose reports to read, when several share the database.
+    /// The cluster whose reports to read, when several share the database; `all` reads every
+    /// cluster of the database (each row then names its cluster).
     #[arg(
         long,
         env = "REPORTS_SERVER_CLUSTER_ID",

@@ -25,7 +25,7 @@ pub mod render;
 pub mod run;
 
 pub use condition::{Comparison, Condition};
-pub use question::{Grouping, Query, Question, ResultFilter};
+pub use question::{ALL_CLUSTERS, Grouping, Query, Question, ResultFilter};
 pub use render::{Output, Table};
 pub use run::{connect_read_only, copy_sqlite, run_question, run_sql};
 

@@ -6,10 +6,15 @@ use sea_orm::{DbBackend, Value};
 
 use crate::condition::{Comparison, Condition};
 
+/// The `cluster_id` that asks about every cluster of the database (`--cluster-id all`): each
+/// row then names its cluster. `serve` refuses it as a cluster's own id.
+pub const ALL_CLUSTERS: &str = "all";
+
 /// Narrows the results a question looks at; every `None` matches everything.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ResultFilter {
-    /// `--cluster-id`: the partition several clusters sharing a database write under.
+    /// `--cluster-id`: the partition several clusters sharing a database write under, or
+    /// [`ALL_CLUSTERS`].
     pub cluster_id: String,
     pub policy: Option<String>,
     /// The report's namespace (`""` for cluster-scoped reports).
@@ -19,6 +24,22 @@ pub struct ResultFilter {
     pub source: Option<String>,
     /// The subject's kind, e.g. `Pod`.
     pub kind: Option<String>,
+}
+
+impl ResultFilter {
+    /// Whether the question is about every cluster of the database.
+    pub fn every_cluster(&self) -> bool {
+        self.cluster_id == ALL_CLUSTERS
+    }
+
+    /// `"cluster_id, "` before a question's columns when rows come from several clusters.
+    fn cluster_column(&self) -> &'static str {
+        if self.every_cluster() {
+            "cluster_id, "
+        } else {
+            ""
+        }
+    }
 }
 
 /// Which compliance view a compliance question reads.
@@ -80,12 +101,19 @@ impl Binder {
         }
     }
 
-    /// `column = <value>` for each filter that is set, the cluster always.
+    /// `cluster_id = <value>` unless the question is about every cluster (then a term that
+    /// always holds, so a `WHERE` always has one).
+    fn cluster(&mut self, filter: &ResultFilter, column: &str) -> String {
+        if filter.every_cluster() {
+            "1 = 1".to_owned()
+        } else {
+            format!("{column} = {}", self.bind(filter.cluster_id.clone()))
+        }
+    }
+
+    /// `column = <value>` for each filter that is set, and the cluster.
     fn filter(&mut self, filter: &ResultFilter) -> Vec<String> {
-        let mut terms = vec![format!(
-            "cluster_id = {}",
-            self.bind(filter.cluster_id.clone())
-        )];
+        let mut terms = vec![self.cluster(filter, "cluster_id")];
         for (column, value) in [
             ("policy", &filter.policy),
             ("namespace", &filter.namespace),
@@ -187,11 +215,13 @@ impl Question {
                 let mut terms = binder.filter(filter);
                 terms.push("result = 'fail'".into());
                 format!(
-                    "SELECT namespace, subject_kind, subject_name, source, policy, rule, \
-                     severity, category, message FROM report_results WHERE {} \
-                     ORDER BY namespace, subject_kind, subject_name, policy, rule LIMIT {}",
+                    "SELECT {cluster}namespace, subject_kind, subject_name, source, policy, \
+                     rule, severity, category, message FROM report_results WHERE {} \
+                     ORDER BY {cluster}namespace, subject_kind, subject_name, policy, rule \
+                     LIMIT {}",
                     terms.join(" AND "),
-                    binder.bind(i64::from(*limit))
+                    binder.bind(i64::from(*limit)),
+                    cluster = filter.cluster_column(),
                 )
             }
             Question::Compliance { by, filter } => compliance(&mut binder, *by, filter),
@@ -199,14 +229,15 @@ impl Question {
                 let mut terms = binder.filter(filter);
                 terms.push("result = 'fail'".into());
                 format!(
-                    "SELECT subject_kind, subject_namespace, subject_name, \
+                    "SELECT {cluster}subject_kind, subject_namespace, subject_name, \
                      COUNT(*) AS failures, COUNT(DISTINCT policy) AS policies \
                      FROM report_results WHERE {} \
-                     GROUP BY subject_kind, subject_namespace, subject_name \
-                     ORDER BY failures DESC, subject_namespace, subject_name, subject_kind \
-                     LIMIT {}",
+                     GROUP BY {cluster}subject_kind, subject_namespace, subject_name \
+                     ORDER BY failures DESC, {cluster}subject_namespace, subject_name, \
+                     subject_kind LIMIT {}",
                     terms.join(" AND "),
-                    binder.bind(i64::from(*limit))
+                    binder.bind(i64::from(*limit)),
+                    cluster = filter.cluster_column(),
                 )
             }
             Question::Properties {
@@ -242,15 +273,13 @@ fn compliance(binder: &mut Binder, by: Grouping, filter: &ResultFilter) -> Strin
             );
         }
     };
-    let mut terms = vec![format!(
-        "cluster_id = {}",
-        binder.bind(filter.cluster_id.clone())
-    )];
+    let mut terms = vec![binder.cluster(filter, "cluster_id")];
     for (column, value) in narrowing {
         if let Some(value) = value {
             terms.push(format!("{column} = {}", binder.bind(value.clone())));
         }
     }
+    let columns = format!("{}{columns}", filter.cluster_column());
     format!(
         "SELECT {columns}, {COUNTERS} FROM {view} WHERE {} ORDER BY {columns}",
         terms.join(" AND ")
@@ -317,13 +346,10 @@ fn trend(binder: &mut Binder, by: Option<Grouping>, filter: &ResultFilter, since
         }
     }
     let mut terms = vec![format!("s.taken_at >= {}", binder.bind(since))];
-    let cluster = if by == Some(Grouping::Cluster) {
+    let cluster = if by == Some(Grouping::Cluster) || filter.every_cluster() {
         "s.cluster_id, "
     } else {
-        terms.push(format!(
-            "s.cluster_id = {}",
-            binder.bind(filter.cluster_id.clone())
-        ));
+        terms.push(binder.cluster(filter, "s.cluster_id"));
         ""
     };
     let grouped = format!("{cluster}s.taken_at, {columns}");
@@ -357,6 +383,7 @@ fn properties(
     let alias = |key: &str| {
         if PROPERTY_ROW_COLUMNS
             .iter()
+            .chain(&["cluster_id"])
             .any(|c| c.eq_ignore_ascii_case(key))
         {
             format!("property.{key}")
@@ -375,11 +402,12 @@ fn properties(
         .map(|column| format!(", {column}"))
         .collect::<String>();
     format!(
-        "SELECT {}{shown} FROM report_results WHERE {} \
-         ORDER BY namespace, subject_kind, subject_name, policy, rule LIMIT {}",
+        "SELECT {cluster}{}{shown} FROM report_results WHERE {} \
+         ORDER BY {cluster}namespace, subject_kind, subject_name, policy, rule LIMIT {}",
         PROPERTY_ROW_COLUMNS.join(", "),
         terms.join(" AND "),
-        binder.bind(i64::from(limit))
+        binder.bind(i64::from(limit)),
+        cluster = filter.cluster_column(),
     )
 }
 
@@ -492,6 +520,56 @@ mod tests {
         assert!(postgres.values.contains(&Value::from("score")));
         let sqlite = question.to_query(DbBackend::Sqlite);
         assert!(sqlite.values.contains(&Value::from("$.\"score\"")));
+    }
+
+    #[test]
+    fn every_cluster_drops_the_cluster_term_and_names_each_rows_cluster() {
+        let all = ResultFilter {
+            cluster_id: ALL_CLUSTERS.into(),
+            policy: Some("p".into()),
+            ..ResultFilter::default()
+        };
+        let failing = Question::Failing {
+            filter: all.clone(),
+            limit: 5,
+        }
+        .to_query(DbBackend::Postgres);
+        assert!(
+            failing.sql.starts_with("SELECT cluster_id, namespace,"),
+            "{}",
+            failing.sql
+        );
+        assert!(
+            failing.sql.contains("WHERE 1 = 1 AND policy = $1"),
+            "{}",
+            failing.sql
+        );
+        assert_eq!(failing.values, vec![Value::from("p"), Value::from(5i64)]);
+        let by_namespace = Question::Compliance {
+            by: Grouping::Namespace,
+            filter: all.clone(),
+        }
+        .to_query(DbBackend::Sqlite);
+        assert!(
+            by_namespace
+                .sql
+                .starts_with("SELECT cluster_id, namespace, pass"),
+            "{}",
+            by_namespace.sql
+        );
+        let trend = Question::Trend {
+            by: Some(Grouping::Namespace),
+            filter: all,
+            since: 0,
+        }
+        .to_query(DbBackend::MySql);
+        assert!(
+            trend
+                .sql
+                .contains("GROUP BY s.cluster_id, s.taken_at, h.namespace"),
+            "{}",
+            trend.sql
+        );
     }
 
     #[test]

@@ -210,6 +210,37 @@ impl Proc {
     }
 }
 
+/// The body of a plain-HTTP GET (Kyverno's metrics endpoint), HTTP/1.0 so the server closes
+/// the connection after the body.
+async fn http_get_text(address: &str, path: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::net::TcpStream::connect(address),
+    )
+    .await
+    .context("connect timed out")??;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        stream.read_to_string(&mut response),
+    )
+    .await
+    .context("read timed out")??;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| anyhow!("no HTTP response"))?;
+    ensure!(
+        head.starts_with("HTTP/1.") && head.split(' ').nth(1) == Some("200"),
+        "{}",
+        head.lines().next().unwrap_or_default()
+    );
+    Ok(body.to_owned())
+}
+
 /// The three Kyverno controllers, running against a [`ControlPlane`].
 pub struct Kyverno {
     dir: PathBuf,
@@ -633,6 +664,47 @@ impl Kyverno {
             t0.elapsed()
         );
         Ok(())
+    }
+
+    /// How many times a Kyverno circuit breaker (`circuit` as Kyverno names it, e.g.
+    /// `admission reports`) dropped a report instead of writing it, from the controller's
+    /// `kyverno_breaker_drops` counter (0 before the first drop: OpenTelemetry exports a
+    /// counter once it has a value). The admission controller's `admission reports` breaker
+    /// drops while its watch counting ephemeral reports is not open, e.g. for the moments after
+    /// the only reports server restarted (cmd/kyverno/main.go, pkg/breaker of v1.19.1).
+    pub async fn breaker_drops(&self, c: Controller, circuit: &str) -> Result<f64> {
+        self.breaker_counter(c, "kyverno_breaker_drops", circuit)
+            .await
+    }
+
+    /// How many times a Kyverno circuit breaker was asked (dropped or not): a check that
+    /// [`Self::breaker_drops`] reads the right series.
+    pub async fn breaker_calls(&self, c: Controller, circuit: &str) -> Result<f64> {
+        self.breaker_counter(c, "kyverno_breaker_total", circuit)
+            .await
+    }
+
+    async fn breaker_counter(&self, c: Controller, metric: &str, circuit: &str) -> Result<f64> {
+        let port = self
+            .proc(c)
+            .args
+            .iter()
+            .find_map(|a| a.strip_prefix("--metricsPort="))
+            .ok_or_else(|| anyhow!("{c} runs without --metricsPort"))?
+            .to_owned();
+        let text = http_get_text(&format!("127.0.0.1:{port}"), "/metrics")
+            .await
+            .with_context(|| format!("reading {c}'s metrics on port {port}"))?;
+        let label = format!("circuit_name=\"{circuit}\"");
+        Ok(text
+            .lines()
+            .filter(|l| {
+                l.strip_prefix(metric)
+                    .is_some_and(|rest| rest.starts_with(['{', '_']))
+                    && l.contains(&label)
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum())
     }
 
     /// Switches the reports controller's `--aggregateReports` (mode A when `true`, B when

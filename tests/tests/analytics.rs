@@ -471,6 +471,51 @@ async fn compliance(db: &DatabaseConnection, all: &[Row], backend: Backend) {
         check_counters(&by_policy, row, want, &format!("{backend:?} {policy}"));
     }
 
+    // `--cluster-id all`: every cluster's namespaces, each row naming its cluster.
+    let every = ResultFilter {
+        cluster_id: analytics::ALL_CLUSTERS.into(),
+        ..ResultFilter::default()
+    };
+    let fleet = ask(db, ask_by(Grouping::Namespace, every.clone())).await;
+    let pairs: BTreeSet<(String, String)> = all
+        .iter()
+        .map(|r| (r.cluster.to_owned(), r.namespace.clone()))
+        .collect();
+    assert_eq!(
+        text_pairs(&fleet, "cluster_id", "namespace"),
+        pairs.iter().cloned().collect::<Vec<_>>(),
+        "{backend:?}: every cluster's namespaces"
+    );
+    for row in &fleet.rows {
+        let (cluster, namespace) = (
+            text_of(&fleet, row, "cluster_id"),
+            text_of(&fleet, row, "namespace"),
+        );
+        let want = counts(
+            all.iter()
+                .filter(|r| r.cluster == cluster && r.namespace == namespace),
+        );
+        check_counters(
+            &fleet,
+            row,
+            want,
+            &format!("{backend:?} {cluster}/{namespace}"),
+        );
+    }
+    let failing_everywhere = ask(
+        db,
+        Question::Failing {
+            filter: every,
+            limit: 1000,
+        },
+    )
+    .await;
+    assert_eq!(
+        failing_everywhere.rows.len(),
+        all.iter().filter(|r| r.result == "fail").count(),
+        "{backend:?}: failing results of every cluster"
+    );
+
     let by_cluster = ask(db, ask_by(Grouping::Cluster, filter())).await;
     let clusters: Vec<String> = by_cluster
         .rows
