@@ -86,7 +86,10 @@ pub mod condition {
     ).message("spec.external runs the server outside the cluster: leave spec.database empty").field_path(".spec.database"),
     validation = Rule::new(
         "has(self.spec.external) || (has(self.spec.database) && has(self.spec.database.postgres)) || !has(self.spec.replicas) || self.spec.replicas <= 1"
-    ).message("SQLite (the default database) is one file only one pod may open: set spec.replicas to 1, or use spec.database.postgres for more replicas").field_path(".spec.replicas")
+    ).message("SQLite (the default database) is one file only one pod may open: set spec.replicas to 1, or use spec.database.postgres for more replicas").field_path(".spec.replicas"),
+    validation = Rule::new(
+        "!has(self.spec.clusterId) || self.spec.clusterId != 'all'"
+    ).message("spec.clusterId 'all' is reserved (reports-server query --cluster-id all means every cluster; serve refuses it): choose another id").field_path(".spec.clusterId")
 )]
 #[serde(rename_all = "camelCase", default)]
 pub struct ReportsServerSpec {
@@ -129,7 +132,8 @@ pub struct ReportsServerSpec {
     /// This cluster's partition of a database several clusters share (`--cluster-id`)
     /// [default: `default`]. Give each cluster writing to one database its own: the first
     /// server of a cluster records the cluster (its kube-system namespace UID) on the id, and a
-    /// server of another cluster refuses to start on it.
+    /// server of another cluster refuses to start on it. `all` is reserved (`reports-server
+    /// query --cluster-id all` means every cluster).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(
         length(min = 1, max = 64),
@@ -758,7 +762,13 @@ mod tests {
                 .as_array()
                 .expect("root rules")
                 .clone();
-        assert_eq!(rules.len(), 5, "{rules:#?}");
+        assert_eq!(rules.len(), 6, "{rules:#?}");
+        assert!(
+            rules
+                .iter()
+                .any(|r| r["rule"] == "!has(self.spec.clusterId) || self.spec.clusterId != 'all'"),
+            "{rules:#?}"
+        );
         for r in &rules {
             assert!(r["message"].as_str().is_some_and(|m| !m.is_empty()), "{r}");
             assert!(

@@ -6,9 +6,15 @@
 //! (`<name>-postgres`, as the superuser whose password it generated) and runs [`statements`] in
 //! one transaction, at every reconcile whose statements differ from the last ones that
 //! succeeded and at least every `--ready-requeue-seconds` (default 300 s) otherwise. Every
-//! statement is idempotent, so this converges: a role dropped or altered by hand, a password
-//! Secret deleted (a new password is generated and set), an existing installation that turns
-//! the option on, all come back to the same state. The alternatives were worse: a script in
+//! statement is idempotent, so this converges: a role dropped by hand, its grants or its
+//! read-only setting revoked, the attributes `SUPERUSER`, `CREATEDB`, `CREATEROLE`,
+//! `REPLICATION` or `BYPASSRLS` given to it, a password Secret deleted (a new password is
+//! generated and set), an existing installation that turns the option on, all come back to the
+//! same state. What is *added* by hand otherwise is not taken away: memberships in other roles,
+//! privileges on other schemas or databases, other per-role settings. The password is sent only
+//! when the role is created or the Secret's password differs from the one last set (its SHA-256
+//! is kept in the Secret's annotation `reportsserver.io/password-sha256`), so that it reaches
+//! PostgreSQL's statement log at most once per password. The alternatives were worse: a script in
 //! `/docker-entrypoint-initdb.d` runs only when the data directory is first initialised (never
 //! for existing installations, never again after a change), and a Job runs once per name and
 //! needs its own image pull, retry policy and clean-up. Tables and views created later (the
@@ -125,16 +131,41 @@ pub fn drop_statements(role: &str) -> Vec<String> {
     )]
 }
 
-/// The statements the operator runs on its own PostgreSQL.
-pub fn managed_statements(password: &str) -> Vec<String> {
-    statements(&RoleSql {
+/// What the error of [`managed_statements`] without a password says when the role is missing
+/// (dropped by hand): the operator then runs them again with the password.
+pub const ROLE_MISSING: &str = "reports-server: the read-only role is missing";
+
+/// The statements the operator runs on its own PostgreSQL, as its superuser. With `password`
+/// `None` (the role has the Secret's password already) no statement carries the password, so
+/// that it reaches PostgreSQL's statement log at most once per password; a role that does not
+/// exist then fails the transaction with [`ROLE_MISSING`] instead of being created without one.
+/// Attributes given by hand (`SUPERUSER`, `CREATEDB`, `CREATEROLE`, `REPLICATION`, `BYPASSRLS`)
+/// are taken away again.
+pub fn managed_statements(password: Option<&str>) -> Vec<String> {
+    let mut out = statements(&RoleSql {
         role: ROLE,
-        password: Some(password),
+        password,
         database: MANAGED_DATABASE,
         schema: MANAGED_SCHEMA,
         owner: MANAGED_OWNER,
         revoke_public_create: true,
-    })
+    });
+    if password.is_none() {
+        out[0] = format!(
+            "DO $do$ BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = {}) \
+             THEN RAISE EXCEPTION {}; END IF; END $do$",
+            literal(ROLE),
+            literal(ROLE_MISSING)
+        );
+    }
+    out.insert(
+        2,
+        format!(
+            "ALTER ROLE {} WITH NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS",
+            ident(ROLE)
+        ),
+    );
+    out
 }
 
 /// The SQL script docs/analytics-access.md shows for someone else's PostgreSQL, with its example
@@ -298,7 +329,7 @@ mod tests {
 
     #[test]
     fn the_managed_statements_grant_reading_only() {
-        let all = managed_statements("pw").join(";\n");
+        let all = managed_statements(Some("pw")).join(";\n");
         for wanted in [
             "CREATE ROLE \"reports_analytics\" LOGIN",
             "ALTER ROLE \"reports_analytics\" WITH LOGIN PASSWORD 'pw'",
@@ -311,6 +342,13 @@ mod tests {
         ] {
             assert!(all.contains(wanted), "{wanted} missing from {all}");
         }
+        assert!(all.contains(
+            "ALTER ROLE \"reports_analytics\" WITH NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS"
+        ));
+        let granted = all.replace(
+            " WITH NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS",
+            "",
+        );
         for never in [
             "INSERT",
             "UPDATE",
@@ -318,10 +356,23 @@ mod tests {
             "TRUNCATE",
             "SUPERUSER",
             "CREATEDB",
+            "CREATEROLE",
+            "BYPASSRLS",
             "ALL PRIVILEGES",
         ] {
-            assert!(!all.contains(never), "{never} in {all}");
+            assert!(!granted.contains(never), "{never} in {all}");
         }
+    }
+
+    #[test]
+    fn without_a_password_a_missing_role_is_an_error_not_a_role_without_one() {
+        let sql = managed_statements(None);
+        assert!(!sql.iter().any(|s| s.contains("PASSWORD")), "{sql:#?}");
+        assert!(!sql.iter().any(|s| s.contains("CREATE ROLE")), "{sql:#?}");
+        assert!(sql[0].contains(&format!("RAISE EXCEPTION '{ROLE_MISSING}'")), "{sql:#?}");
+        assert_eq!(sql[1..], managed_statements(Some("pw"))[1..].iter().map(|s| {
+            s.replace(" PASSWORD 'pw'", "")
+        }).collect::<Vec<_>>()[..]);
     }
 
     #[test]

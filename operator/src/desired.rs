@@ -560,6 +560,36 @@ pub fn analytics_secret_name(rs: &ReportsServer) -> String {
         .unwrap_or_else(|| format!("{}-analytics", name_of(rs)))
 }
 
+/// The label that marks the analysts' Secret as written by the operator: only a Secret with this
+/// label and owned by the ReportsServer is ever read, adopted or deleted as the analysts' one.
+pub const ANALYTICS_SECRET_MARK: (&str, &str) = ("reportsserver.io/secret", "analytics");
+
+/// Every other Secret the operator writes or reads for this installation (the PostgreSQL
+/// password, the generated CA and serving certificate, the metrics reader's token, and the
+/// user's TLS and external-database Secrets): `spec.analytics.readOnlyRole.secretName` may name
+/// none of them.
+pub fn reserved_secret_names(rs: &ReportsServer) -> Vec<String> {
+    let mut names = vec![
+        postgres_name(rs),
+        tls_secret_name(rs),
+        ca_secret_name(rs),
+        metrics_reader_token_name(rs),
+    ];
+    names.extend(rs.spec.tls.secret_name.clone());
+    if let Some(external) = rs
+        .spec
+        .database
+        .postgres
+        .as_ref()
+        .and_then(|p| p.external.as_ref())
+    {
+        names.push(external.secret_name.clone());
+        names.extend(external.ca_secret.as_ref().map(|c| c.name.clone()));
+    }
+    names.retain(|n| !n.is_empty());
+    names
+}
+
 /// DNS name of the managed PostgreSQL's Service.
 pub fn postgres_host(rs: &ReportsServer) -> String {
     format!("{}.{}.svc", postgres_name(rs), ns_of(rs))

@@ -286,7 +286,8 @@ podSecurityContext:
 podIds: auto
 # NetworkPolicies (ingress only) for the pods of this release's namespace: servers accept their
 # HTTPS port only (kube-apiserver, the operator's checks, Prometheus), the operator's PostgreSQL
-# accepts the servers only, the operator its metrics port only. Enforced only by a network
+# accepts the servers and the operator (which sets up the analysts' read-only role) plus
+# networkPolicy.postgresFrom, the operator its metrics port only. Enforced only by a network
 # plugin that implements NetworkPolicy.
 networkPolicy:
   enabled: false
@@ -313,9 +314,10 @@ metrics:
     labels: {{}}
     # The token the Prometheus sends: its own ServiceAccount's (bind it: scraper below).
     bearerTokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token
-    # TLS of the scrape. Empty: the certificate is not verified (insecureSkipVerify), since each
-    # ReportsServer has its own CA; for one installation give its CA instead:
-    # {{ca: {{secret: {{name: reports-server-tls, key: ca.crt}}}}, serverName: reports-server.<namespace>.svc}}
+    # TLS of the scrape; required when enabled, since Prometheus sends its own token: give the
+    # CA of the installation (each ReportsServer has its own, the chart cannot know it), e.g.
+    # {{ca: {{secret: {{name: reports-server-tls, key: ca.crt}}}}, serverName: reports-server.<namespace>.svc}},
+    # or, knowingly, {{insecureSkipVerify: true}} (the token goes to an unverified server).
     tlsConfig: {{}}
   # A PodMonitor for the operator's own pods (plain HTTP, port metrics).
   podMonitor:
@@ -606,7 +608,7 @@ const HELM_MONITORING: &str = r#"{{- with .Values.metrics.serviceMonitor }}
 apiVersion: monitoring.coreos.com/v1
 kind: ServiceMonitor
 metadata:
-  name: reports-server
+  name: {{ $.Release.Name }}-chart
   namespace: {{ $.Release.Namespace }}
   labels:
     app.kubernetes.io/part-of: reports-server
@@ -629,10 +631,11 @@ spec:
     scrapeTimeout: {{ .scrapeTimeout }}
     bearerTokenFile: {{ .bearerTokenFile }}
     tlsConfig:
-      {{- if .tlsConfig }}
-      {{- toYaml .tlsConfig | nindent 6 }}
+      {{- $tls := .tlsConfig | default dict }}
+      {{- if or $tls.ca $tls.caFile $tls.insecureSkipVerify }}
+      {{- toYaml $tls | nindent 6 }}
       {{- else }}
-      insecureSkipVerify: true
+      {{- fail "metrics.serviceMonitor.tlsConfig is required: Prometheus sends its own token to the servers, so give the installation's CA (tlsConfig.ca.secret: name <name>-tls, key ca.crt; tlsConfig.serverName: <name>.<namespace>.svc) or set tlsConfig.insecureSkipVerify: true knowingly" }}
       {{- end }}
 {{- end }}
 {{- end }}
@@ -643,7 +646,7 @@ spec:
 apiVersion: monitoring.coreos.com/v1
 kind: PodMonitor
 metadata:
-  name: reports-server-operator
+  name: {{ $.Release.Name }}-operator
   namespace: {{ $.Release.Namespace }}
   labels:
     app.kubernetes.io/part-of: reports-server
@@ -732,15 +735,15 @@ This chart is generated (`operator/src/manifests.rs`) from the same code as
 | `priorityClassName` | none | `system-cluster-critical` is admitted outside kube-system only with a ResourceQuota allowing it |
 | `podSecurityContext`, `securityContext` | non-root, RuntimeDefault seccomp, read-only root, no capabilities, no fixed UID | of the operator pod and container |
 | `podIds` | `auto` | user and group ids of the server and PostgreSQL pods: `fixed` (65532 / 999, also as `fsGroup`), `platform` (none set; OpenShift's restricted SCC assigns them), `auto` (`platform` where the release namespace carries OpenShift's `openshift.io/sa.scc.uid-range` annotation) |
-| `networkPolicy.enabled` | `false` | ingress NetworkPolicies: servers accept their HTTPS port only, the operator's PostgreSQL the servers only, the operator its metrics port only |
+| `networkPolicy.enabled` | `false` | ingress NetworkPolicies: servers accept their HTTPS port only, the operator's PostgreSQL the servers, the operator and `networkPolicy.postgresFrom`, the operator its metrics port only |
 | `networkPolicy.serverFrom`, `networkPolicy.metricsFrom` | `[]` (any source) | NetworkPolicyPeers allowed to the servers' port and the operator's metrics; the servers' must keep kube-apiserver (the aggregation layer), the operator (its database checks call the servers) and Prometheus if it scrapes them |
 | `networkPolicy.postgresFrom` | `[]` (nobody) | NetworkPolicyPeers allowed to the operator's PostgreSQL besides the servers and the operator, e.g. the analysts' pods (docs/analytics-access.md) |
-| `metrics.serviceMonitor.enabled` | `false` | a ServiceMonitor (`monitoring.coreos.com/v1`) for every server Service of the release namespace: port `https`, scheme `https`, `/metrics` |
+| `metrics.serviceMonitor.enabled` | `false` | a ServiceMonitor `<release>-chart` (`monitoring.coreos.com/v1`; not `<name>`, the name of a ReportsServer's own) for every server Service of the release namespace: port `https`, scheme `https`, `/metrics` |
 | `metrics.serviceMonitor.interval`, `.scrapeTimeout` | `30s`, `10s` | of its endpoint |
 | `metrics.serviceMonitor.labels` | `{}` | extra labels, e.g. the `release` label your Prometheus' `serviceMonitorSelector` matches |
 | `metrics.serviceMonitor.bearerTokenFile` | `/var/run/secrets/kubernetes.io/serviceaccount/token` | the token Prometheus sends: its own ServiceAccount's, which `metrics.scraper` binds |
-| `metrics.serviceMonitor.tlsConfig` | `{}`: `insecureSkipVerify: true` | each ReportsServer has its own CA, which the chart cannot know; for one installation: `{ca: {secret: {name: <name>-tls, key: ca.crt}}, serverName: <name>.<namespace>.svc}` (replaces the default whole) |
-| `metrics.podMonitor.enabled`, `.interval`, `.labels` | `false`, `30s`, `{}` | a PodMonitor for the operator's own metrics (plain HTTP, port `metrics`) |
+| `metrics.serviceMonitor.tlsConfig` | `{}`: the render fails | required with `enabled`, since Prometheus sends its own token: the installation's CA, `{ca: {secret: {name: <name>-tls, key: ca.crt}}, serverName: <name>.<namespace>.svc}` (each ReportsServer has its own CA, which the chart cannot know), or, knowingly, `{insecureSkipVerify: true}` (the token then goes to a server whose certificate is not checked) |
+| `metrics.podMonitor.enabled`, `.interval`, `.labels` | `false`, `30s`, `{}` | a PodMonitor `<release>-operator` for the operator's own metrics (plain HTTP, port `metrics`) |
 | `metrics.scraper.serviceAccountName`, `.namespace` | `""` (no binding), the release namespace | the Prometheus' ServiceAccount, bound to the shipped ClusterRole `reports-server:metrics-reader` (`get` on `/metrics` only) |
 | `extraArgs` | `[]` | operator flags, e.g. `--allowed-server-images=ghcr.io/acme/reports-server` |
 

@@ -222,6 +222,18 @@ impl Fixture {
         Self::with_sql(Arc::new(Sql::default()))
     }
 
+    /// The same API server, with an operator that has just (re)started: nothing in memory.
+    fn restarted(&self, sql: Arc<Sql>) -> Self {
+        let client = mock_client(self.state.clone());
+        let ctx = Arc::new(
+            Context::new(client, OperatorConfig::default(), Metrics::new()).with_sql_runner(sql),
+        );
+        Fixture {
+            state: self.state.clone(),
+            ctx,
+        }
+    }
+
     /// With `sql` in place of the operator's PostgreSQL connection.
     fn with_sql(sql: Arc<Sql>) -> Self {
         let state: Shared = Arc::default();
@@ -839,6 +851,10 @@ async fn the_analysts_role_is_granted_on_the_managed_postgres_and_dropped_when_t
         )
     );
     assert_eq!(secret["metadata"]["ownerReferences"][0]["uid"], "uid-1");
+    assert_eq!(
+        secret["metadata"]["labels"]["reportsserver.io/secret"], "analytics",
+        "marked as the analysts' Secret"
+    );
     sql.runs();
 
     // It answers: the grants run as the superuser, with the Secret's password for the role.
@@ -856,17 +872,45 @@ async fn the_analysts_role_is_granted_on_the_managed_postgres_and_dropped_when_t
     );
     assert_eq!(
         statements,
-        &reports_server_operator::analytics::managed_statements(&password)
+        &reports_server_operator::analytics::managed_statements(Some(&password))
     );
     assert_eq!(f.condition("AnalyticsAccess")["reason"], "RoleReady");
+    let noted = f.get(ANALYTICS_SECRET).unwrap();
     assert_eq!(
-        f.get(ANALYTICS_SECRET).unwrap(),
-        secret,
-        "the Secret is never rewritten"
+        noted["stringData"], secret["stringData"],
+        "the Secret's data is never rewritten"
     );
+    let sha = noted["metadata"]["annotations"]["reportsserver.io/password-sha256"]
+        .as_str()
+        .expect("the password set is noted")
+        .to_owned();
+    assert_eq!(sha.len(), 64);
+    assert!(!sha.contains(&password));
     // Converged: the next reconciles do not reconnect.
     f.reconcile().await;
     assert!(sql.runs().is_empty());
+    // A restarted operator converges again, without sending the password again.
+    let sql_after = Arc::new(Sql::default());
+    let after = f.restarted(sql_after.clone());
+    after.reconcile().await;
+    let runs = sql_after.runs();
+    assert_eq!(
+        runs.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>(),
+        [reports_server_operator::analytics::managed_statements(None)]
+    );
+    assert!(!format!("{runs:?}").contains(&password));
+    // The role was dropped by hand: created again, with the password.
+    *sql_after.failing.lock().unwrap() =
+        Some(reports_server_operator::analytics::ROLE_MISSING.into());
+    let again = f.restarted(sql_after.clone());
+    again.reconcile().await;
+    let runs = sql_after.runs();
+    assert_eq!(runs.len(), 2, "{runs:#?}");
+    assert_eq!(
+        runs[1].1,
+        reports_server_operator::analytics::managed_statements(Some(&password))
+    );
+    *sql_after.failing.lock().unwrap() = None;
 
     // Turned off: the role is dropped, the Secret deleted, the condition gone.
     let mut off = spec;
@@ -885,6 +929,102 @@ async fn the_analysts_role_is_granted_on_the_managed_postgres_and_dropped_when_t
     // And nothing more is asked of the database afterwards.
     f.reconcile().await;
     assert!(sql.runs().is_empty());
+}
+
+/// `secretName` naming a Secret the operator keeps for something else: nothing read, nothing
+/// run, nothing deleted, neither on nor off.
+#[tokio::test]
+async fn the_analysts_secret_name_may_not_name_another_secret_of_the_operator() {
+    let sql = Arc::new(Sql::default());
+    let f = Fixture::with_sql(sql.clone());
+    let postgres = "/api/v1/namespaces/reports-server/secrets/reports-server-postgres";
+    let spec = json!({"database": {"postgres": {"managed": {}}},
+                      "analytics": {"readOnlyRole": {"enabled": true, "secretName": "reports-server-postgres"}}});
+    f.put_rs(spec.clone(), 1);
+    f.reconcile().await;
+    let access = f.condition("AnalyticsAccess");
+    assert_eq!(
+        (access["status"].as_str(), access["reason"].as_str()),
+        (Some("False"), Some("AnalyticsSecretNameReserved")),
+        "{access}"
+    );
+    assert!(sql.runs().is_empty(), "no role gets the superuser's password");
+    let before = f.get(postgres).expect("the PostgreSQL password Secret");
+    let mut off = spec;
+    off["analytics"]["readOnlyRole"]["enabled"] = json!(false);
+    f.put_rs(off, 2);
+    f.reconcile().await;
+    assert!(sql.runs().is_empty());
+    assert_eq!(
+        f.get(postgres).expect("not deleted")["metadata"]["uid"],
+        before["metadata"]["uid"]
+    );
+
+    // A Secret of that name the operator did not write for the analysts: neither read nor
+    // deleted.
+    let other = "/api/v1/namespaces/reports-server/secrets/someones";
+    f.put(
+        other,
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "someones", "namespace": "reports-server",
+                            "ownerReferences": [{"apiVersion": "reportsserver.io/v1alpha1", "kind": "ReportsServer",
+                                                 "name": "reports-server", "uid": "uid-1"}]},
+               "stringData": {"password": "not-for-analysts"}}),
+    );
+    let spec = json!({"database": {"postgres": {"managed": {}}},
+                      "analytics": {"readOnlyRole": {"enabled": true, "secretName": "someones"}}});
+    f.put_rs(spec.clone(), 3);
+    f.reconcile().await;
+    assert_eq!(f.condition("AnalyticsAccess")["reason"], "AnalyticsSecretNotOurs");
+    assert!(sql.runs().is_empty());
+    let mut off = spec;
+    off["analytics"]["readOnlyRole"]["enabled"] = json!(false);
+    f.put_rs(off, 4);
+    f.reconcile().await;
+    assert!(sql.runs().is_empty());
+    assert!(f.get(other).is_some());
+}
+
+/// The role is removed because its Secret exists, whatever the last status said; and the
+/// Secret stays, with a condition, until the role is dropped.
+#[tokio::test]
+async fn the_analysts_role_is_removed_even_without_the_condition_and_only_once_dropped() {
+    let sql = Arc::new(Sql::default());
+    let f = Fixture::with_sql(sql.clone());
+    let spec = json!({"database": {"postgres": {"managed": {}}},
+                      "analytics": {"readOnlyRole": {"enabled": true}}});
+    f.put_rs(spec.clone(), 1);
+    f.reconcile().await;
+    assert_eq!(f.condition("AnalyticsAccess")["reason"], "RoleReady");
+    sql.runs();
+    // Turned off after a reconcile that ended early: no AnalyticsAccess condition left.
+    let mut rs = f.get(RS_PATH).unwrap();
+    rs["status"]["conditions"] = json!([]);
+    f.put(RS_PATH, rs);
+    let mut off = spec;
+    off["analytics"]["readOnlyRole"]["enabled"] = json!(false);
+    f.put_rs(off, 2);
+    // The PostgreSQL does not answer: the role cannot be dropped yet.
+    *sql.failing.lock().unwrap() = Some("connection refused".into());
+    f.reconcile().await;
+    let access = f.condition("AnalyticsAccess");
+    assert_eq!(
+        (access["status"].as_str(), access["reason"].as_str()),
+        (Some("False"), Some("RoleRemovalPending")),
+        "{access}"
+    );
+    assert!(f.get(ANALYTICS_SECRET).is_some(), "kept until the role is dropped");
+    *sql.failing.lock().unwrap() = None;
+    sql.runs();
+    f.reconcile().await;
+    assert_eq!(
+        sql.runs().iter().map(|(_, s)| s.clone()).collect::<Vec<_>>(),
+        [reports_server_operator::analytics::drop_statements(
+            "reports_analytics"
+        )]
+    );
+    assert!(f.get(ANALYTICS_SECRET).is_none());
+    assert!(f.condition("AnalyticsAccess").is_null());
 }
 
 #[tokio::test]
@@ -967,13 +1107,36 @@ async fn a_service_monitor_only_where_the_prometheus_operator_api_is_served() {
     );
     assert_eq!(f.condition("Monitoring")["status"], "True");
 
-    // Turned off: all of it goes, and so does the condition.
-    let mut off = spec;
+    // Turned off, even after a reconcile that dropped the condition: all of it goes, and so
+    // does the condition.
+    let mut rs = f.get(RS_PATH).unwrap();
+    rs["status"]["conditions"] = json!([]);
+    f.put(RS_PATH, rs);
+    let mut off = spec.clone();
     off["monitoring"]["serviceMonitor"]["enabled"] = json!(false);
-    f.put_rs(off, 2);
+    f.put_rs(off.clone(), 2);
     f.reconcile().await;
-    for path in [monitor_path, binding_path] {
+    for path in [
+        monitor_path,
+        binding_path,
+        "/api/v1/namespaces/reports-server/serviceaccounts/reports-server-metrics-reader",
+        "/api/v1/namespaces/reports-server/secrets/reports-server-metrics-reader-token",
+    ] {
         assert!(f.get(path).is_none(), "{path} left behind");
     }
     assert!(f.condition("Monitoring").is_null());
+
+    // A ServiceMonitor of the same name that is not this ReportsServer's (a chart's) stays.
+    f.put_rs(spec, 3);
+    f.reconcile().await;
+    let mut foreign = f.get(monitor_path).unwrap();
+    foreign["metadata"]["ownerReferences"] = json!([]);
+    f.put(monitor_path, foreign);
+    f.put_rs(off, 4);
+    f.reconcile().await;
+    assert!(f.get(monitor_path).is_some(), "not ours: left alone");
+    assert!(
+        f.get("/api/v1/namespaces/reports-server/serviceaccounts/reports-server-metrics-reader")
+            .is_none()
+    );
 }

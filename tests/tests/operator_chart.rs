@@ -96,11 +96,21 @@ metrics:
             .map(|m| m["spec"]["endpoints"][0].clone())
             .unwrap_or_default()
     };
-    // Without a CA the certificate is not verified (the chart cannot know each CA); a given
-    // tlsConfig replaces that whole (Helm would merge maps: checked below).
-    let unverified = render(Some("metrics: {serviceMonitor: {enabled: true}}"))
-        .await?
-        .map_err(anyhow::Error::msg)?;
+    // Prometheus sends its own token: without a CA the render fails, unless the certificate is
+    // left unverified explicitly (the chart cannot know each CA); a given tlsConfig replaces the
+    // default whole (Helm would merge maps: checked below).
+    let refused = render(Some("metrics: {serviceMonitor: {enabled: true}}")).await?;
+    ensure!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.contains("metrics.serviceMonitor.tlsConfig is required")),
+        "{refused:?}"
+    );
+    let unverified = render(Some(
+        "metrics: {serviceMonitor: {enabled: true, tlsConfig: {insecureSkipVerify: true}}}",
+    ))
+    .await?
+    .map_err(anyhow::Error::msg)?;
     ensure!(
         endpoint(&unverified)["tlsConfig"] == json!({"insecureSkipVerify": true}),
         "{}",
@@ -110,6 +120,11 @@ metrics:
     let monitor = find(&docs, "ServiceMonitor");
     ensure!(monitor.len() == 1, "{monitor:#?}");
     let monitor = monitor[0];
+    // Not `reports-server`, the name of a ReportsServer `reports-server`'s own ServiceMonitor.
+    ensure!(
+        monitor["metadata"]["name"] == "reports-server-chart",
+        "{monitor}"
+    );
     ensure!(
         monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack",
         "{monitor}"
@@ -144,6 +159,7 @@ metrics:
     let pod_monitor = find(&docs, "PodMonitor");
     ensure!(
         pod_monitor.len() == 1
+            && pod_monitor[0]["metadata"]["name"] == "reports-server-operator"
             && pod_monitor[0]["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]
                 == "reports-server-operator"
             && pod_monitor[0]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics",

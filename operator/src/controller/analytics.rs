@@ -9,16 +9,17 @@ use std::time::Instant;
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use reports_server_crds::reportsserver::ReportsServer;
-use reports_server_crds::reportsserver::ReportsServerStatus;
-use reports_server_crds::reportsserver::condition::ANALYTICS_ACCESS;
+use sha2::{Digest, Sha256};
 
-use crate::analytics::{self, Connection, MANAGED_DATABASE, MANAGED_OWNER, MANAGED_PORT, ROLE};
+use crate::analytics::{
+    self, Connection, MANAGED_DATABASE, MANAGED_OWNER, MANAGED_PORT, ROLE, ROLE_MISSING,
+};
 use crate::database_check::Observation;
-use crate::desired::{self, Database};
+use crate::desired::{self, ANALYTICS_SECRET_MARK, Database};
 
 use super::kube_io::{delete_ignoring_missing, get_opt, owner_reference, secret_str};
 use super::{Context, Error};
@@ -39,26 +40,56 @@ fn observation(ok: bool, reason: &str, message: String) -> Observation {
     }
 }
 
+/// The annotation of the analysts' Secret with the SHA-256 of the password last set on the role.
+pub const PASSWORD_APPLIED: &str = "reportsserver.io/password-sha256";
+
+/// Whether `secret` is the analysts' Secret the operator wrote for `rs`: marked with
+/// [`ANALYTICS_SECRET_MARK`] and owned by `rs`. No other Secret is ever read, adopted or deleted
+/// as the analysts' one.
+fn is_analytics_secret(secret: &Secret, rs: &ReportsServer) -> bool {
+    let (key, value) = ANALYTICS_SECRET_MARK;
+    let marked = secret.labels().get(key).is_some_and(|v| v == value);
+    let owned = secret
+        .owner_references()
+        .iter()
+        .any(|o| o.kind == "ReportsServer" && Some(&o.uid) == rs.metadata.uid.as_ref());
+    marked && owned
+}
+
+fn password_sha256(password: &str) -> String {
+    format!("{:x}", Sha256::digest(password.as_bytes()))
+}
+
 /// What the spec asks of analysts' access, done as far as this database allows; `None` when it
-/// asks nothing (and nothing is left to remove).
+/// asks nothing and nothing is left to remove. Whether a role may be left to remove is decided
+/// from the objects (an analysts' Secret of this ReportsServer exists), never from the previous
+/// status, which a reconcile that ended early does not carry.
 #[tracing::instrument(name = "analytics_access", level = "debug", skip_all)]
 pub(super) async fn converge_analytics(
     rs: &ReportsServer,
     ctx: &Context,
     database: &Database,
-    previous: &ReportsServerStatus,
 ) -> Result<Option<Observation>, Error> {
     let enabled = rs.spec.analytics.read_only_role.enabled;
     let docs = "docs/analytics-access.md";
+    let name = desired::analytics_secret_name(rs);
     Ok(match (enabled, database) {
-        (true, Database::ManagedPostgres(_)) => Some(grant(rs, ctx).await?),
-        // Only an installation that showed the condition can have a role to remove: no extra
-        // request for the others.
-        (false, Database::ManagedPostgres(_))
-            if crate::status::find(&previous.conditions, ANALYTICS_ACCESS).is_some() =>
+        (true, Database::ManagedPostgres(_))
+            if desired::reserved_secret_names(rs).contains(&name) =>
         {
-            revoke(rs, ctx).await?
+            Some(observation(
+                false,
+                "AnalyticsSecretNameReserved",
+                format!(
+                    "spec.analytics.readOnlyRole.secretName {name} is a Secret the operator \
+                     manages for something else (the database password, TLS or the metrics \
+                     token): nothing was done; choose another name or leave it empty for \
+                     <name>-analytics"
+                ),
+            ))
         }
+        (true, Database::ManagedPostgres(_)) => Some(grant(rs, ctx).await?),
+        (false, Database::ManagedPostgres(_)) => revoke(rs, ctx).await?,
         (false, _) => None,
         (true, Database::ExternalPostgres(_)) => Some(observation(
             false,
@@ -107,17 +138,33 @@ async fn superuser(rs: &ReportsServer, ctx: &Context) -> Result<Option<Connectio
 
 /// The analysts' Secret, created once with a generated password (never rewritten: the
 /// password is what the grants set). `Err` with the condition when it is unusable.
+/// `Ok` with the password and the annotation [`PASSWORD_APPLIED`].
 async fn ensure_secret(
     rs: &ReportsServer,
     ctx: &Context,
-) -> Result<Result<String, Observation>, Error> {
+) -> Result<Result<(String, Option<String>), Observation>, Error> {
     use rand::distr::{Alphanumeric, SampleString};
     let ns = rs.namespace().unwrap_or_default();
     let name = desired::analytics_secret_name(rs);
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
     if let Some(existing) = get_opt(&secrets, &name).await? {
+        if !is_analytics_secret(&existing, rs) {
+            return Ok(Err(observation(
+                false,
+                "AnalyticsSecretNotOurs",
+                format!(
+                    "Secret {ns}/{name} exists but is not the analysts' Secret the operator \
+                     wrote for this ReportsServer (label {}={} and owner): it is neither read \
+                     nor changed; choose another spec.analytics.readOnlyRole.secretName, or \
+                     delete that Secret if it is not needed",
+                    ANALYTICS_SECRET_MARK.0, ANALYTICS_SECRET_MARK.1
+                ),
+            )));
+        }
+        let applied = existing.annotations().get(PASSWORD_APPLIED).cloned();
         return Ok(secret_str(&existing, "password")
-            .filter(|p| !p.is_empty())
+            .map(|p| (p, applied))
+            .filter(|(p, _)| !p.is_empty())
             .ok_or_else(|| {
                 observation(
                     false,
@@ -137,8 +184,10 @@ async fn ensure_secret(
         user: ROLE.into(),
         password: password.clone(),
     };
+    let mut labels = desired::labels(rs);
+    labels.insert(ANALYTICS_SECRET_MARK.0.into(), ANALYTICS_SECRET_MARK.1.into());
     let metadata = serde_json::json!({
-        "name": name, "namespace": ns, "labels": desired::labels(rs),
+        "name": name, "namespace": ns, "labels": labels,
         "ownerReferences": [owner_reference(rs)],
     });
     let secret: Secret =
@@ -150,7 +199,7 @@ async fn ensure_secret(
             );
             ctx.event(rs, EventType::Normal, "AnalyticsSecretCreated", note)
                 .await;
-            Ok(Ok(password))
+            Ok(Ok((password, None)))
         }
         // Created by a reconcile racing this one: its password is the one to use.
         Err(kube::Error::Api(s)) if s.code == 409 => Box::pin(ensure_secret(rs, ctx)).await,
@@ -158,18 +207,21 @@ async fn ensure_secret(
     }
 }
 
-fn fingerprint(statements: &[String]) -> u64 {
+fn fingerprint(statements: &[String], password_sha256: &str) -> u64 {
     let mut h = DefaultHasher::new();
     statements.hash(&mut h);
+    password_sha256.hash(&mut h);
     h.finish()
 }
 
-/// Runs the grants unless the same ones succeeded less than `--ready-requeue-seconds` ago.
+/// Runs the grants unless the same ones succeeded less than `--ready-requeue-seconds` ago. The
+/// password is sent only when the Secret's annotation [`PASSWORD_APPLIED`] does not match it
+/// (a new Secret, a password changed) or the role is missing; then the annotation is written.
 async fn grant(rs: &ReportsServer, ctx: &Context) -> Result<Observation, Error> {
     let ns = rs.namespace().unwrap_or_default();
     let secret = desired::analytics_secret_name(rs);
-    let password = match ensure_secret(rs, ctx).await? {
-        Ok(password) => password,
+    let (password, applied) = match ensure_secret(rs, ctx).await? {
+        Ok(found) => found,
         Err(problem) => return Ok(problem),
     };
     let ready = observation(
@@ -180,12 +232,14 @@ async fn grant(rs: &ReportsServer, ctx: &Context) -> Result<Observation, Error> 
              nothing; connection details in Secret {ns}/{secret}"
         ),
     );
-    let statements = analytics::managed_statements(&password);
+    let sha = password_sha256(&password);
+    let password_set = applied.as_deref() == Some(sha.as_str());
     let key = ObjectRef::from_obj(rs);
-    let print = fingerprint(&statements);
-    if ctx
-        .analytics_converged(&key)
-        .is_some_and(|c| c.fingerprint == print && c.at.elapsed() < ctx.config.ready_requeue)
+    let print = fingerprint(&analytics::managed_statements(None), &sha);
+    if password_set
+        && ctx
+            .analytics_converged(&key)
+            .is_some_and(|c| c.fingerprint == print && c.at.elapsed() < ctx.config.ready_requeue)
     {
         return Ok(ready);
     }
@@ -199,9 +253,36 @@ async fn grant(rs: &ReportsServer, ctx: &Context) -> Result<Observation, Error> 
             ),
         ));
     };
-    match ctx.sql.run(&admin, &statements).await {
-        Ok(()) => {
+    let mut result = if password_set {
+        ctx.sql
+            .run(&admin, &analytics::managed_statements(None))
+            .await
+            .map(|()| false)
+    } else {
+        Err(ROLE_MISSING.to_string())
+    };
+    if result.as_ref().is_err_and(|e| e.contains(ROLE_MISSING)) {
+        result = ctx
+            .sql
+            .run(&admin, &analytics::managed_statements(Some(&password)))
+            .await
+            .map(|()| true);
+    }
+    match result {
+        Ok(sent_password) => {
             tracing::info!(role = ROLE, "the analysts' read-only role is in place");
+            if sent_password {
+                let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+                let patch = serde_json::json!({"metadata": {"annotations": {PASSWORD_APPLIED: sha}}});
+                if let Err(e) = secrets
+                    .patch(&secret, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    // The password is sent again at the next reconcile: no harm but a log line.
+                    tracing::warn!(error = %e, "could not note the password set on the analysts' Secret");
+                    return Ok(ready);
+                }
+            }
             ctx.record_analytics(
                 key,
                 Some(Converged {
@@ -225,41 +306,41 @@ async fn grant(rs: &ReportsServer, ctx: &Context) -> Result<Observation, Error> 
     }
 }
 
-/// The option turned off: drops the role and deletes the Secret the operator wrote. `None` once
-/// nothing is left.
+/// The option turned off, or never on: when the analysts' Secret of this ReportsServer exists
+/// (so the role may), drops the role, then deletes the Secret. The Secret, and the condition
+/// `RoleRemovalPending`, stay until the role is dropped. `None` once nothing is left.
 async fn revoke(rs: &ReportsServer, ctx: &Context) -> Result<Option<Observation>, Error> {
     ctx.record_analytics(ObjectRef::from_obj(rs), None);
     let ns = rs.namespace().unwrap_or_default();
     let name = desired::analytics_secret_name(rs);
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-    let Some(admin) = superuser(rs, ctx).await? else {
+    let Some(_ours) = get_opt(&secrets, &name)
+        .await?
+        .filter(|s| is_analytics_secret(s, rs))
+    else {
         return Ok(None);
     };
-    if let Err(e) = ctx.sql.run(&admin, &analytics::drop_statements(ROLE)).await {
-        return Ok(Some(observation(
+    let pending = |why: String| {
+        Some(observation(
             false,
             "RoleRemovalPending",
             format!(
-                "spec.analytics.readOnlyRole is off, but dropping role {ROLE} failed (retried): {e}"
+                "spec.analytics.readOnlyRole is off, but role {ROLE} is not dropped yet \
+                 (retried; Secret {ns}/{name} is kept until it is): {why}"
             ),
+        ))
+    };
+    let Some(admin) = superuser(rs, ctx).await? else {
+        return Ok(pending(format!(
+            "the password Secret {ns}/{} of the PostgreSQL is missing",
+            desired::postgres_name(rs)
         )));
+    };
+    if let Err(e) = ctx.sql.run(&admin, &analytics::drop_statements(ROLE)).await {
+        return Ok(pending(e));
     }
-    let ours = get_opt(&secrets, &name).await?.is_some_and(|s| {
-        s.owner_references()
-            .iter()
-            .any(|o| Some(&o.uid) == rs.metadata.uid.as_ref())
-    });
-    if ours {
-        delete_ignoring_missing(&secrets, &name).await?;
-    }
-    let note = format!(
-        "dropped role {ROLE}{}",
-        if ours {
-            format!(" and deleted Secret {ns}/{name}")
-        } else {
-            String::new()
-        }
-    );
+    delete_ignoring_missing(&secrets, &name).await?;
+    let note = format!("dropped role {ROLE} and deleted Secret {ns}/{name}");
     ctx.event(rs, EventType::Normal, "AnalyticsRoleRemoved", note)
         .await;
     Ok(None)

@@ -136,13 +136,13 @@ pub(super) async fn converge(
     // A discovery error keeps what exists: only "not served" or "not asked" removes it.
     let keep_monitoring =
         rs.spec.monitoring.service_monitor.enabled && !matches!(monitoring_api, Some(Ok(false)));
-    super::monitoring::remove_turned_off_monitoring(rs, ctx, previous, keep_monitoring).await?;
+    super::monitoring::remove_turned_off_monitoring(rs, ctx, keep_monitoring).await?;
     observed_conditions(
         rs,
         previous,
         status,
         [
-            super::analytics::converge_analytics(rs, ctx, &database, previous).await?,
+            super::analytics::converge_analytics(rs, ctx, &database).await?,
             super::monitoring::monitoring_observation(rs, &database, monitoring_api.as_ref()),
         ],
     );

@@ -5,10 +5,9 @@
 
 use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
-use kube::ResourceExt;
+use kube::{Resource, ResourceExt};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
-use reports_server_crds::reportsserver::condition::MONITORING;
-use reports_server_crds::reportsserver::{ReportsServer, ReportsServerStatus};
+use reports_server_crds::reportsserver::ReportsServer;
 
 use crate::database_check::Observation;
 use crate::desired::{self, Database};
@@ -81,36 +80,75 @@ pub(super) fn monitoring_observation(
     })
 }
 
+/// Whether `obj` is owned by `rs` (an ownerReference with its uid).
+fn owned_by<K: Resource>(obj: &K, rs: &ReportsServer) -> bool {
+    obj.meta().owner_references.as_ref().is_some_and(|refs| {
+        refs.iter()
+            .any(|o| o.kind == "ReportsServer" && Some(&o.uid) == rs.metadata.uid.as_ref())
+    })
+}
+
+/// Deletes `name` if it exists and `ours` says it belongs to this ReportsServer.
+async fn delete_if<K>(api: &Api<K>, name: &str, ours: impl Fn(&K) -> bool) -> Result<(), Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    if let Some(o) = get_opt(api, name).await?
+        && ours(&o)
+    {
+        delete_ignoring_missing(api, name).await?;
+    }
+    Ok(())
+}
+
 /// Unless `keep`, deletes the ServiceMonitor, its ServiceAccount, token and ClusterRoleBinding
-/// (the option turned off, or the API gone). Only for an installation that showed the
-/// condition, so that the others pay no request.
+/// (the option turned off, or the API gone), each only when it is this ReportsServer's (an
+/// ownerReference to it; the owner annotation for the cluster-scoped binding): a ServiceMonitor
+/// of the same name from elsewhere (a Helm chart's) is left alone. What to remove is decided from
+/// the objects, not from an earlier status (which a reconcile that ended early does not carry):
+/// the ServiceAccount, deleted last, tells whether anything may be left, so an installation
+/// without monitoring pays one GET.
 pub(super) async fn remove_turned_off_monitoring(
     rs: &ReportsServer,
     ctx: &Context,
-    previous: &ReportsServerStatus,
     keep: bool,
 ) -> Result<(), Error> {
-    let showed = crate::status::find(&previous.conditions, MONITORING).is_some();
-    if keep || !showed {
+    if keep {
         return Ok(());
     }
     let ns = rs.namespace().unwrap_or_default();
+    let accounts: Api<ServiceAccount> = Api::namespaced(ctx.client.clone(), &ns);
+    let account = desired::metrics_reader_name(rs);
+    if !get_opt(&accounts, &account)
+        .await?
+        .is_some_and(|a| owned_by(&a, rs))
+    {
+        return Ok(());
+    }
     let resource = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("monitoring.coreos.com", "v1", "ServiceMonitor"),
         "servicemonitors",
     );
     let monitors: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &ns, &resource);
-    delete_ignoring_missing(&monitors, &rs.name_any()).await?;
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-    delete_ignoring_missing(&secrets, &desired::metrics_reader_token_name(rs)).await?;
-    let accounts: Api<ServiceAccount> = Api::namespaced(ctx.client.clone(), &ns);
-    delete_ignoring_missing(&accounts, &desired::metrics_reader_name(rs)).await?;
-    let bindings: Api<ClusterRoleBinding> = Api::all(ctx.client.clone());
-    let binding = desired::metrics_reader_binding_name(rs);
-    if let Some(o) = get_opt(&bindings, &binding).await?
-        && is_ours(&o, rs)
-    {
-        delete_ignoring_missing(&bindings, &binding).await?;
+    match get_opt(&monitors, &rs.name_any()).await {
+        Ok(Some(m)) if owned_by(&m, rs) => {
+            delete_ignoring_missing(&monitors, &rs.name_any()).await?;
+        }
+        Ok(_) => {}
+        // The API is not served (any more): no ServiceMonitor to remove.
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => return Err(e.into()),
     }
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    delete_if(&secrets, &desired::metrics_reader_token_name(rs), |s| {
+        owned_by(s, rs)
+    })
+    .await?;
+    let bindings: Api<ClusterRoleBinding> = Api::all(ctx.client.clone());
+    delete_if(&bindings, &desired::metrics_reader_binding_name(rs), |b| {
+        is_ours(b, rs)
+    })
+    .await?;
+    delete_ignoring_missing(&accounts, &account).await?;
     Ok(())
 }
