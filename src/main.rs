@@ -385,6 +385,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    args.statistics.options()?;
     let mut store = args.database.store_options()?;
     store.watch_history = Duration::from_secs(args.watch_history_seconds);
     store.watch_history_max_events = args.watch_history_max_events;
@@ -469,7 +470,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let settled = migration.as_ref().map(|w| w.settled());
     let migration = migration.map(|w| spawn_migration(w, &server));
     let aggregation = args.aggregation.spawn(&server, cluster.as_ref(), settled);
-    let statistics = args.statistics.spawn(&server);
+    let statistics = args.statistics.spawn(&server)?;
     let token = server.shutdown_token();
     let draining = server.draining_token();
     let delay = Duration::from_secs(args.shutdown_delay_seconds);
@@ -494,15 +495,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .instrument(tracing::info_span!("shutdown_signal")),
     );
     server.wait().await;
-    if let Some(aggregation) = aggregation {
-        // Releases the aggregation lease at once so another replica takes over without waiting.
-        let _ = aggregation.await;
-    }
-    if let Some(migration) = migration {
-        let _ = migration.await;
-    }
-    if let Some(statistics) = statistics {
-        let _ = statistics.await;
+    // Each releases its lease on the way out, so another replica takes over without waiting.
+    for worker in [aggregation, migration, statistics].into_iter().flatten() {
+        let _ = worker.await;
     }
     Ok(())
 }

@@ -31,18 +31,28 @@ pub struct StatisticsArgs {
 impl StatisticsArgs {
     /// Starts the worker beside `server` (stopped by its shutdown); `None` when both intervals
     /// are 0.
-    pub fn spawn(&self, server: &RunningServer) -> Option<tokio::task::JoinHandle<()>> {
+    pub fn spawn(
+        &self,
+        server: &RunningServer,
+    ) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+        let options = self.options()?;
+        let metrics = StatisticsMetrics::default();
+        server
+            .metrics
+            .register(|registry| metrics.register(registry));
+        let worker = StatisticsWorker::new(server.store.clone(), options, metrics);
+        Ok(statistics::spawn(worker, server.shutdown_token()))
+    }
+
+    /// The worker's options, checked (before the server starts, so a bad pair fails `serve`).
+    pub fn options(&self) -> anyhow::Result<StatisticsOptions> {
         let options = StatisticsOptions {
             refresh_interval: self.statistics_interval,
             history_interval: self.history_interval,
             history_retention: self.history_retention,
             ..StatisticsOptions::default()
         };
-        let metrics = StatisticsMetrics::default();
-        server
-            .metrics
-            .register(|registry| metrics.register(registry));
-        let worker = StatisticsWorker::new(server.store.clone(), options, metrics);
-        statistics::spawn(worker, server.shutdown_token())
+        options.check().map_err(anyhow::Error::msg)?;
+        Ok(options)
     }
 }

@@ -72,8 +72,10 @@ pub async fn copy_sqlite(
             to.display()
         )));
     }
-    let partial = to.with_extension("partial");
-    let _ = std::fs::remove_file(&partial);
+    // Beside the target (so the rename stays on one file system), named for this process.
+    let mut partial = to.as_os_str().to_owned();
+    partial.push(format!(".{}.partial", std::process::id()));
+    let partial = std::path::PathBuf::from(partial);
     let mut options = ConnectOptions::new(read_only_url(url));
     options
         .max_connections(1)
@@ -84,14 +86,25 @@ pub async fn copy_sqlite(
         .await
         .map_err(AnalyticsError::Connect)?;
     let target = partial.to_string_lossy().into_owned();
-    db.execute_raw(Statement::from_sql_and_values(
-        DbBackend::Sqlite,
-        "VACUUM INTO ?",
-        [target.into()],
-    ))
-    .await
-    .map_err(AnalyticsError::Query)?;
+    let copied = db
+        .execute_raw(Statement::from_sql_and_values(
+            DbBackend::Sqlite,
+            "VACUUM INTO ?",
+            [target.into()],
+        ))
+        .await;
     db.close().await.map_err(AnalyticsError::Connect)?;
+    if let Err(e) = copied {
+        let _ = std::fs::remove_file(&partial);
+        return Err(AnalyticsError::Query(e));
+    }
+    if to.exists() {
+        let _ = std::fs::remove_file(&partial);
+        return Err(AnalyticsError::Copy(format!(
+            "{} appeared while copying; name a new file",
+            to.display()
+        )));
+    }
     std::fs::rename(&partial, to)
         .map_err(|e| AnalyticsError::Copy(format!("cannot rename the copy into place: {e}")))?;
     let bytes = std::fs::metadata(to)

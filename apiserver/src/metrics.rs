@@ -76,7 +76,8 @@ impl Metrics {
             "The running release: version, and the git commit when the build recorded one",
             prometheus_client::metrics::info::Info::new(vec![
                 ("version", env!("CARGO_PKG_VERSION")),
-                // Set by the image build (`REPORTS_SERVER_GIT_COMMIT=$(git rev-parse HEAD)`).
+                // For builds that record it (`REPORTS_SERVER_GIT_COMMIT=$(git rev-parse HEAD)
+                // cargo build …`); `unknown` otherwise.
                 (
                     "commit",
                     option_env!("REPORTS_SERVER_GIT_COMMIT").unwrap_or("unknown"),

@@ -18,6 +18,7 @@ use reports_server_analytics::{
 use reports_server_apiserver::statistics::{
     Clock, StatisticsMetrics, StatisticsOptions, StatisticsWorker,
 };
+use reports_server_apiserver::store::statistics::SnapshotOutcome;
 use reports_server_apiserver::store::{Mutation, Store, StoreError, StoreOptions};
 use reports_server_crds::catalog::POLICY_REPORT;
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
@@ -514,6 +515,32 @@ async fn compliance(db: &DatabaseConnection, all: &[Row], backend: Backend) {
         failing_everywhere.rows.len(),
         all.iter().filter(|r| r.result == "fail").count(),
         "{backend:?}: failing results of every cluster"
+    );
+
+    let top_everywhere = ask(
+        db,
+        Question::TopFailing {
+            filter: ResultFilter {
+                cluster_id: analytics::ALL_CLUSTERS.into(),
+                ..ResultFilter::default()
+            },
+            limit: 1000,
+        },
+    )
+    .await;
+    let failing_clusters: BTreeSet<String> = top_everywhere
+        .rows
+        .iter()
+        .map(|r| text_of(&top_everywhere, r, "cluster_id"))
+        .collect();
+    let want: BTreeSet<String> = all
+        .iter()
+        .filter(|r| r.result == "fail")
+        .map(|r| r.cluster.to_owned())
+        .collect();
+    assert_eq!(
+        failing_clusters, want,
+        "{backend:?}: top-failing of every cluster"
     );
 
     let by_cluster = ask(db, ask_by(Grouping::Cluster, filter())).await;
@@ -1055,19 +1082,29 @@ async fn history_snapshots_and_gauges_follow_a_controlled_clock_on_every_backend
         let db = analytics::connect_read_only(&url, Duration::from_secs(10))
             .await
             .unwrap();
-        let day = |n: i64| MIDNIGHT + n * DAY + 3_600;
+        let slot = |n: i64| MIDNIGHT + n * DAY;
+        let day = |n: i64| slot(n) + 3_600;
 
         // Day 0: nothing stored yet; the snapshot is taken all the same.
         clock.set(day(0));
-        worker.round().await;
+        assert!(worker.round().await);
         check_gauges(&db, &registry, &format!("{backend:?} empty")).await;
         // Day 1: two reports; a second round the same day takes nothing.
         let a = put_pss(&store, "team-a", 1, &[0, 1, 2]).await;
         let b = put_pss(&store, "team-b", 2, &[3]).await;
         clock.set(day(1));
-        worker.round().await;
+        assert!(worker.round().await);
         clock.set(day(1) + 7_000);
-        worker.round().await;
+        assert!(worker.round().await);
+        // A second server that also believes it leads (a paused process) writes no second
+        // snapshot for the slot: the slot is the key.
+        let (_twin, twin, _) = statistics_of(&url, CLUSTER, &clock).await;
+        assert!(twin.round().await, "{backend:?}");
+        assert_eq!(
+            store.take_compliance_snapshot(slot(1)).await.unwrap(),
+            SnapshotOutcome::Exists,
+            "{backend:?}"
+        );
         check_gauges(&db, &registry, &format!("{backend:?} day 1")).await;
         // Day 2: team-a fixed two of its failures, team-b's report deleted.
         let a2 = put_pss(&store, "team-a", 1, &[0]).await;
@@ -1079,7 +1116,7 @@ async fn history_snapshots_and_gauges_follow_a_controlled_clock_on_every_backend
             .await
             .expect("the report is deleted");
         clock.set(day(2));
-        worker.round().await;
+        assert!(worker.round().await);
         check_gauges(&db, &registry, &format!("{backend:?} day 2")).await;
 
         let answer = ask(&db, trend(None, MIDNIGHT)).await;
@@ -1090,8 +1127,8 @@ async fn history_snapshots_and_gauges_follow_a_controlled_clock_on_every_backend
             .collect();
         assert_eq!(
             times,
-            [rfc3339(day(0)), rfc3339(day(1)), rfc3339(day(2))],
-            "{backend:?}: one snapshot per day"
+            [rfc3339(slot(0)), rfc3339(slot(1)), rfc3339(slot(2))],
+            "{backend:?}: one snapshot per day, recorded under the day's start"
         );
         let got: Vec<[i64; 5]> = answer
             .rows
@@ -1108,9 +1145,9 @@ async fn history_snapshots_and_gauges_follow_a_controlled_clock_on_every_backend
         assert_eq!(
             keys,
             [
-                (rfc3339(day(1)), "team-a".to_owned()),
-                (rfc3339(day(1)), "team-b".to_owned()),
-                (rfc3339(day(2)), "team-a".to_owned()),
+                (rfc3339(slot(1)), "team-a".to_owned()),
+                (rfc3339(slot(1)), "team-b".to_owned()),
+                (rfc3339(slot(2)), "team-a".to_owned()),
             ],
             "{backend:?}"
         );
@@ -1120,12 +1157,12 @@ async fn history_snapshots_and_gauges_follow_a_controlled_clock_on_every_backend
             totals(&[&b]),
             "team-b",
         );
-        let since_day_2 = ask(&db, trend(None, day(2))).await;
+        let since_day_2 = ask(&db, trend(None, slot(2))).await;
         assert_eq!(since_day_2.rows.len(), 1, "{backend:?}: --since");
 
         // Another cluster of the database keeps its own history.
         let (_other, other_worker, _) = statistics_of(&url, OTHER_CLUSTER, &clock).await;
-        other_worker.round().await;
+        assert!(other_worker.round().await);
         let fleet = ask(&db, trend(Some(Grouping::Cluster), MIDNIGHT)).await;
         let clusters: BTreeMap<String, usize> =
             fleet.rows.iter().fold(BTreeMap::new(), |mut m, r| {
@@ -1142,16 +1179,17 @@ async fn history_snapshots_and_gauges_follow_a_controlled_clock_on_every_backend
             copy_of_history(&url, dir.path(), &answer).await;
         }
 
-        // Day 9: a week's retention drops days 0 and 1 (taken before day 2's 01:00).
-        clock.set(day(9));
-        worker.round().await;
+        // Day 9 at 00:00: a week's retention keeps day 2's snapshot (recorded at day 2's
+        // start, exactly a week earlier) and drops days 0 and 1.
+        clock.set(slot(9));
+        assert!(worker.round().await);
         let kept = ask(&db, trend(None, 0)).await;
         let times: Vec<String> = kept
             .rows
             .iter()
             .map(|r| text_of(&kept, r, "taken_at"))
             .collect();
-        assert_eq!(times, [rfc3339(day(2)), rfc3339(day(9))], "{backend:?}");
+        assert_eq!(times, [rfc3339(slot(2)), rfc3339(slot(9))], "{backend:?}");
         check_counters(&kept, &kept.rows[1], totals(&[&a2]), "day 9");
     }
 }

@@ -118,9 +118,9 @@ async fn both_modes(node: &Node, run: &RunDir) -> Result<()> {
         t.elapsed()
     );
 
-    let drops_at_start = admission_report_drops(&kyverno).await?;
+    let drops_at_start = admission_report_drops(&kyverno).await;
     let mode_a = first_reports(&client, "first-report-a").await;
-    let drops_after_a = admission_report_drops(&kyverno).await?;
+    let drops_after_a = admission_report_drops(&kyverno).await;
     // The switch rolls the only SQLite server (the operator allows no second replica) and
     // restarts Kyverno's reports controller: Kyverno's watches through us fail for that moment
     // by design, so its lines are left out of the check (logs only grow: a count per controller
@@ -133,24 +133,32 @@ async fn both_modes(node: &Node, run: &RunDir) -> Result<()> {
         Err(e) => Err(e.context("switching to mode B")),
     };
     let at_end = report_errors_per_controller(&kyverno);
-    let drops_at_end = admission_report_drops(&kyverno).await?;
+    let drops_at_end = admission_report_drops(&kyverno).await;
     let calls = kyverno
         .breaker_calls(Controller::Admission, "admission reports")
-        .await?;
-    ensure!(
-        calls > 0.0,
-        "Kyverno's admission controller shows no `admission reports` breaker call in its \
-         metrics: the breaker's series are not where this test reads them"
-    );
+        .await;
     // Why mode B is sometimes 60 s instead of 30: Kyverno's admission controller drops its
     // admission reports while its watch counting them is not open again after the switch
     // rolled the only server, and the background scan 30 s later writes them instead.
-    eprintln!(
-        "[e2e_kyverno_node] FIGURES admission reports Kyverno's breaker dropped: mode A {}, \
-         the switch and mode B {}",
-        drops_after_a - drops_at_start,
-        drops_at_end - drops_after_a
-    );
+    let breaker = match (drops_at_start, drops_after_a, drops_at_end, calls) {
+        (Ok(start), Ok(after_a), Ok(end), Ok(calls)) if calls > 0.0 => {
+            eprintln!(
+                "[e2e_kyverno_node] FIGURES admission reports Kyverno's breaker dropped: mode A \
+                 {}, the switch and mode B {}",
+                after_a - start,
+                end - after_a
+            );
+            Ok(())
+        }
+        (Ok(_), Ok(_), Ok(_), Ok(_)) => Err(anyhow::anyhow!(
+            "Kyverno's admission controller shows no `admission reports` breaker call in its \
+             metrics: the breaker's series are not where this test reads them"
+        )),
+        (a, b, c, d) => Err(anyhow::anyhow!(
+            "cannot read Kyverno's breaker counters: {:?}",
+            [a.err(), b.err(), c.err(), d.err()]
+        )),
+    };
     let report_errors: Vec<String> = before_switch
         .iter()
         .zip(after_switch.iter().zip(&at_end))
@@ -167,6 +175,9 @@ async fn both_modes(node: &Node, run: &RunDir) -> Result<()> {
             Err(e) => failures.push(format!("mode {mode}: {e:#}")),
         }
     }
+    if let Err(e) = breaker {
+        failures.push(format!("{e:#}"));
+    }
     if !report_errors.is_empty() {
         let first: Vec<&str> = report_errors.iter().take(20).map(String::as_str).collect();
         failures.push(format!(
@@ -179,7 +190,8 @@ async fn both_modes(node: &Node, run: &RunDir) -> Result<()> {
     Ok(())
 }
 
-/// The admission controller's `admission reports` breaker drops so far.
+/// The admission controller's `admission reports` breaker drops so far (read best-effort: a
+/// failure is reported after the modes' own outcomes).
 async fn admission_report_drops(kyverno: &Kyverno) -> Result<f64> {
     kyverno
         .breaker_drops(Controller::Admission, "admission reports")

@@ -9,7 +9,9 @@
 //! through the API is no longer needed.
 //!
 //! Time comes from a [`Clock`], so the history's schedule is tested with a controlled clock;
-//! the decisions themselves are pure ([`schedule`]).
+//! the decisions themselves are pure ([`schedule`]). A snapshot is recorded under the start of
+//! its slot, which is also what makes it unique: two servers that both believe they lead write
+//! one snapshot per slot between them.
 
 pub mod gauges;
 pub mod schedule;
@@ -26,6 +28,9 @@ pub use gauges::StatisticsMetrics;
 use crate::store::lease::StoreLease;
 use crate::store::statistics::SnapshotOutcome;
 use crate::store::{Store, StoreError};
+
+/// How soon a failed round is tried again at the latest.
+pub const RETRY_AFTER: Duration = Duration::from_secs(30);
 
 /// The wall clock in Unix seconds.
 pub trait Clock: Send + Sync {
@@ -72,6 +77,22 @@ impl StatisticsOptions {
     /// Whether there is anything to do.
     pub fn enabled(&self) -> bool {
         !self.refresh_interval.is_zero() || !self.history_interval.is_zero()
+    }
+
+    /// A retention shorter than the interval would delete each snapshot before the next, and
+    /// then take it again at once: refused.
+    pub fn check(&self) -> Result<(), String> {
+        let (interval, retention) = (self.history_interval, self.history_retention);
+        if !interval.is_zero() && !retention.is_zero() && retention < interval {
+            return Err(format!(
+                "--history-retention ({}s) is shorter than --history-interval ({}s): every \
+                 snapshot would be deleted before the next; keep at least one interval, or 0 \
+                 for no limit",
+                retention.as_secs(),
+                interval.as_secs()
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -125,11 +146,15 @@ impl StatisticsWorker {
     }
 
     /// One term: a round at once, then one per refresh interval or history slot, whichever
-    /// comes first.
+    /// comes first; after a failed round, again within [`RETRY_AFTER`] (a daily snapshot that
+    /// failed is not put off to the next day).
     async fn lead(&self, term: CancellationToken) {
         loop {
-            self.round().await;
-            let wait = self.next_wait();
+            let wait = if self.round().await {
+                self.next_wait()
+            } else {
+                self.next_wait().min(RETRY_AFTER)
+            };
             tokio::select! {
                 () = term.cancelled() => return,
                 () = tokio::time::sleep(wait) => {}
@@ -151,18 +176,22 @@ impl StatisticsWorker {
     }
 
     /// Refreshes the gauges and takes a snapshot when one is due; a failure is logged and
-    /// counted, and the next round tries again.
-    pub async fn round(&self) {
+    /// counted, and `false` asks for an early retry.
+    pub async fn round(&self) -> bool {
+        let mut ok = true;
         if !self.options.refresh_interval.is_zero()
             && let Err(e) = self.refresh().await
         {
             self.metrics.failed();
             tracing::warn!(error = %e, "cannot read the counts for the statistics gauges");
+            ok = false;
         }
         if let Err(e) = self.history().await {
             self.metrics.failed();
             tracing::warn!(error = %e, "cannot take or prune the compliance history");
+            ok = false;
         }
+        ok
     }
 
     async fn refresh(&self) -> Result<(), StoreError> {
@@ -183,10 +212,11 @@ impl StatisticsWorker {
         let now = self.clock.now();
         let last = self.store.last_compliance_snapshot().await?;
         if schedule::snapshot_due(last, now, o.history_interval) {
-            match self.store.take_compliance_snapshot(now).await? {
+            let slot = schedule::slot_of(now, o.history_interval);
+            match self.store.take_compliance_snapshot(slot).await? {
                 SnapshotOutcome::Taken { rows } => {
                     self.metrics.snapshot_taken(rows);
-                    tracing::info!(taken_at = now, rows, "compliance history snapshot taken");
+                    tracing::info!(slot, rows, "compliance history snapshot taken");
                 }
                 SnapshotOutcome::Exists => {}
             }

@@ -18,8 +18,8 @@ pub fn slot_of(at: i64, interval: Duration) -> i64 {
     at.div_euclid(interval) * interval
 }
 
-/// Whether a snapshot is due at `now`, the newest one having been taken at `last`.
-/// A zero interval takes none.
+/// Whether a snapshot is due at `now`, the newest one being recorded at `last` (its slot's
+/// start). A zero interval takes none.
 pub fn snapshot_due(last: Option<i64>, now: i64, interval: Duration) -> bool {
     if interval.is_zero() {
         return false;

@@ -2,12 +2,15 @@
 //! (`compliance_snapshots`, `compliance_history`; see their migration) and the counts behind
 //! the `/metrics` gauges. Every statement is scoped to this store's cluster id.
 //!
-//! A snapshot is one `INSERT … SELECT` over `report_results`, so its counts are one consistent
-//! read, inside a transaction that first claims the snapshot's row: of two servers that both
-//! think they lead, the second gets a primary-key violation and writes nothing.
+//! A snapshot's counts are one consistent `SELECT … GROUP BY` over `report_results`; a short
+//! transaction then claims the snapshot's row, keyed by the slot (see
+//! `crate::statistics::schedule`), and writes them: of two servers that both think they lead
+//! (a paused process), the second gets a primary-key violation and writes nothing.
 
+use sea_orm::sea_query::{InsertStatement, Query};
 use sea_orm::{ConnectionTrait, DbBackend, SqlErr, Statement, TransactionTrait, Value};
 
+use super::schema::ComplianceHistory;
 use super::{Store, StoreError};
 
 /// What [`Store::take_compliance_snapshot`] did.
@@ -15,7 +18,7 @@ use super::{Store, StoreError};
 pub enum SnapshotOutcome {
     /// Written, with this many (namespace, source, policy) rows.
     Taken { rows: u64 },
-    /// A snapshot at that second exists already (another server took it).
+    /// The slot has its snapshot already (another server took it).
     Exists,
 }
 
@@ -58,33 +61,44 @@ fn statement(backend: DbBackend, sql: &str, values: impl IntoIterator<Item = Val
     Statement::from_sql_and_values(backend, placeholders(backend, sql), values)
 }
 
-/// The counts of every (namespace, source, policy) of one cluster, as `compliance_history`
-/// rows taken at the first bound value.
-const SNAPSHOT_ROWS: &str = "INSERT INTO compliance_history \
-    (cluster_id, taken_at, namespace, source, policy, pass, fail, warn, error, skip) \
-    SELECT cluster_id, ?, COALESCE(namespace, ''), COALESCE(source, ''), policy, \
-    COUNT(CASE WHEN result = 'pass' THEN 1 END), COUNT(CASE WHEN result = 'fail' THEN 1 END), \
-    COUNT(CASE WHEN result = 'warn' THEN 1 END), COUNT(CASE WHEN result = 'error' THEN 1 END), \
-    COUNT(CASE WHEN result = 'skip' THEN 1 END) \
+/// The counts of every (namespace, source, policy) of one cluster.
+const SNAPSHOT_COUNTS: &str = "SELECT COALESCE(namespace, '') AS namespace, \
+    COALESCE(source, '') AS source, policy, \
+    COUNT(CASE WHEN result = 'pass' THEN 1 END) AS pass, \
+    COUNT(CASE WHEN result = 'fail' THEN 1 END) AS fail, \
+    COUNT(CASE WHEN result = 'warn' THEN 1 END) AS warn, \
+    COUNT(CASE WHEN result = 'error' THEN 1 END) AS error, \
+    COUNT(CASE WHEN result = 'skip' THEN 1 END) AS skip \
     FROM report_results WHERE cluster_id = ? \
-    GROUP BY cluster_id, COALESCE(namespace, ''), COALESCE(source, ''), policy";
+    GROUP BY COALESCE(namespace, ''), COALESCE(source, ''), policy";
+
+/// History rows per `INSERT`: 10 values each, far below every backend's limit on bound values.
+const SNAPSHOT_BATCH: usize = 500;
 
 impl Store {
-    /// Records the compliance counts of this cluster as they are now, at `taken_at` (Unix
-    /// seconds): one transaction, so a snapshot is whole or absent.
-    pub async fn take_compliance_snapshot(
-        &self,
-        taken_at: i64,
-    ) -> Result<SnapshotOutcome, StoreError> {
+    /// Records the compliance counts of this cluster as they are now under the slot start
+    /// `slot` (Unix seconds). The counts are one plain `SELECT` (a consistent read that locks
+    /// nothing: an `INSERT … SELECT` would hold shared locks on every result row on MySQL, and
+    /// SQLite's write lock for the whole scan); then one short transaction claims the slot's
+    /// row and writes them, so a snapshot is whole or absent and a slot has one.
+    pub async fn take_compliance_snapshot(&self, slot: i64) -> Result<SnapshotOutcome, StoreError> {
         let backend = self.backend();
-        let cluster = Value::from(self.cluster_id().to_owned());
+        let cluster = self.cluster_id().to_owned();
         self.unless_outage(async {
+            let counts = self
+                .connection()
+                .query_all_raw(statement(
+                    backend,
+                    SNAPSHOT_COUNTS,
+                    [cluster.clone().into()],
+                ))
+                .await?;
             let txn = self.connection().begin().await?;
             let claimed = txn
                 .execute_raw(statement(
                     backend,
                     "INSERT INTO compliance_snapshots (cluster_id, taken_at) VALUES (?, ?)",
-                    [cluster.clone(), taken_at.into()],
+                    [cluster.clone().into(), slot.into()],
                 ))
                 .await;
             match claimed {
@@ -96,16 +110,13 @@ impl Store {
                     other?;
                 }
             }
-            let rows = txn
-                .execute_raw(statement(
-                    backend,
-                    SNAPSHOT_ROWS,
-                    [taken_at.into(), cluster.clone()],
-                ))
-                .await?
-                .rows_affected();
+            for batch in counts.chunks(SNAPSHOT_BATCH) {
+                txn.execute(&history_insert(&cluster, slot, batch)?).await?;
+            }
             txn.commit().await?;
-            Ok(SnapshotOutcome::Taken { rows })
+            Ok(SnapshotOutcome::Taken {
+                rows: counts.len() as u64,
+            })
         })
         .await
     }
@@ -212,6 +223,44 @@ impl Store {
         })
         .await
     }
+}
+
+/// One multi-row `INSERT` of snapshot counts (`rows` read with [`SNAPSHOT_COUNTS`]).
+fn history_insert(
+    cluster: &str,
+    slot: i64,
+    rows: &[sea_orm::QueryResult],
+) -> Result<InsertStatement, StoreError> {
+    let mut insert = Query::insert();
+    insert.into_table(ComplianceHistory::Table).columns([
+        ComplianceHistory::ClusterId,
+        ComplianceHistory::TakenAt,
+        ComplianceHistory::Namespace,
+        ComplianceHistory::Source,
+        ComplianceHistory::Policy,
+        ComplianceHistory::Pass,
+        ComplianceHistory::Fail,
+        ComplianceHistory::Warn,
+        ComplianceHistory::Error,
+        ComplianceHistory::Skip,
+    ]);
+    for row in rows {
+        let text = |column: &str| row.try_get::<String>("", column);
+        let count = |column: &str| row.try_get::<i64>("", column);
+        insert.values_panic([
+            cluster.into(),
+            slot.into(),
+            text("namespace")?.into(),
+            text("source")?.into(),
+            text("policy")?.into(),
+            count("pass")?.into(),
+            count("fail")?.into(),
+            count("warn")?.into(),
+            count("error")?.into(),
+            count("skip")?.into(),
+        ]);
+    }
+    Ok(insert)
 }
 
 #[cfg(test)]
