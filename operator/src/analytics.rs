@@ -142,19 +142,25 @@ pub const ROLE_MISSING: &str = "reports-server: the read-only role is missing";
 /// Attributes given by hand (`SUPERUSER`, `CREATEDB`, `CREATEROLE`, `REPLICATION`, `BYPASSRLS`)
 /// are taken away again.
 pub fn managed_statements(password: Option<&str>) -> Vec<String> {
-    let mut out = statements(&RoleSql {
+    operator_statements(&RoleSql {
         role: ROLE,
         password,
         database: MANAGED_DATABASE,
         schema: MANAGED_SCHEMA,
         owner: MANAGED_OWNER,
         revoke_public_create: true,
-    });
-    if password.is_none() {
+    })
+}
+
+/// [`managed_statements`] for any names (run as a superuser): `tests/tests/analytics_role.rs`
+/// runs them on a real PostgreSQL under a role name of its own.
+pub fn operator_statements(sql: &RoleSql<'_>) -> Vec<String> {
+    let mut out = statements(sql);
+    if sql.password.is_none() {
         out[0] = format!(
             "DO $do$ BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = {}) \
              THEN RAISE EXCEPTION {}; END IF; END $do$",
-            literal(ROLE),
+            literal(sql.role),
             literal(ROLE_MISSING)
         );
     }
@@ -162,7 +168,7 @@ pub fn managed_statements(password: Option<&str>) -> Vec<String> {
         2,
         format!(
             "ALTER ROLE {} WITH NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS",
-            ident(ROLE)
+            ident(sql.role)
         ),
     );
     out

@@ -195,6 +195,39 @@ async fn the_read_only_role_reads_every_table_and_view_and_writes_nothing() -> R
     }
     check_reads_only(&role, namespace).await?;
 
+    // Later convergences send no password (the role keeps the one set), and take away
+    // attributes given by hand.
+    let operator = |password: Option<&'static str>| {
+        analytics::operator_statements(&RoleSql {
+            role: &name,
+            password,
+            database: &admin.database,
+            schema: "public",
+            owner: &admin.user,
+            revoke_public_create: true,
+        })
+    };
+    ensure!(!operator(None).iter().any(|s| s.contains("PASSWORD")));
+    run(&admin, &[&format!("ALTER ROLE {name} CREATEDB CREATEROLE")])
+        .await
+        .map_err(anyhow::Error::msg)?;
+    PostgresRunner
+        .run(&admin, &operator(None))
+        .await
+        .map_err(anyhow::Error::msg)
+        .context("the operator's SQL without the password")?;
+    check_reads_only(&role, namespace).await?;
+    run(
+        &admin,
+        &[&format!(
+            "DO $do$ BEGIN IF (SELECT rolcreatedb OR rolcreaterole FROM pg_catalog.pg_roles \
+             WHERE rolname = '{name}') THEN RAISE EXCEPTION 'attributes given by hand stayed'; \
+             END IF; END $do$"
+        )],
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
+
     // Turned off: the role is gone (twice: idempotent), with its privileges.
     for _ in 0..2 {
         PostgresRunner
@@ -207,6 +240,15 @@ async fn the_read_only_role_reads_every_table_and_view_and_writes_nothing() -> R
     ensure!(
         gone.as_ref().is_err_and(|e| e.contains(&name)),
         "the dropped role still connects: {gone:?}"
+    );
+    // Without the password, a missing role is an error the operator recognises (it then runs
+    // the statements with the password), never a role created without one.
+    let missing = PostgresRunner.run(&admin, &operator(None)).await;
+    ensure!(
+        missing
+            .as_ref()
+            .is_err_and(|e| e.contains(analytics::ROLE_MISSING)),
+        "{missing:?}"
     );
     Ok(())
 }
