@@ -185,7 +185,8 @@ pub struct ReadOnlyRoleSpec {
     /// off, the role is dropped and the Secret deleted.
     pub enabled: bool,
     /// The Secret with `host`, `port`, `database`, `username`, `password`, `uri` and
-    /// `REPORTS_SERVER_DATABASE_URL` [default: `<name>-analytics`].
+    /// `REPORTS_SERVER_DATABASE_URL` [default: `<name>-analytics`]. Not the name of another
+    /// Secret: the operator only uses one it wrote (label `reportsserver.io/secret: analytics`).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub secret_name: Option<String>,
