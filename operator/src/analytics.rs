@@ -375,10 +375,17 @@ mod tests {
         let sql = managed_statements(None);
         assert!(!sql.iter().any(|s| s.contains("PASSWORD")), "{sql:#?}");
         assert!(!sql.iter().any(|s| s.contains("CREATE ROLE")), "{sql:#?}");
-        assert!(sql[0].contains(&format!("RAISE EXCEPTION '{ROLE_MISSING}'")), "{sql:#?}");
-        assert_eq!(sql[1..], managed_statements(Some("pw"))[1..].iter().map(|s| {
-            s.replace(" PASSWORD 'pw'", "")
-        }).collect::<Vec<_>>()[..]);
+        assert!(
+            sql[0].contains(&format!("RAISE EXCEPTION '{ROLE_MISSING}'")),
+            "{sql:#?}"
+        );
+        assert_eq!(
+            sql[1..],
+            managed_statements(Some("pw"))[1..]
+                .iter()
+                .map(|s| { s.replace(" PASSWORD 'pw'", "") })
+                .collect::<Vec<_>>()[..]
+        );
     }
 
     #[test]

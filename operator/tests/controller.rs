@@ -948,7 +948,10 @@ async fn the_analysts_secret_name_may_not_name_another_secret_of_the_operator() 
         (Some("False"), Some("AnalyticsSecretNameReserved")),
         "{access}"
     );
-    assert!(sql.runs().is_empty(), "no role gets the superuser's password");
+    assert!(
+        sql.runs().is_empty(),
+        "no role gets the superuser's password"
+    );
     let before = f.get(postgres).expect("the PostgreSQL password Secret");
     let mut off = spec;
     off["analytics"]["readOnlyRole"]["enabled"] = json!(false);
@@ -975,7 +978,10 @@ async fn the_analysts_secret_name_may_not_name_another_secret_of_the_operator() 
                       "analytics": {"readOnlyRole": {"enabled": true, "secretName": "someones"}}});
     f.put_rs(spec.clone(), 3);
     f.reconcile().await;
-    assert_eq!(f.condition("AnalyticsAccess")["reason"], "AnalyticsSecretNotOurs");
+    assert_eq!(
+        f.condition("AnalyticsAccess")["reason"],
+        "AnalyticsSecretNotOurs"
+    );
     assert!(sql.runs().is_empty());
     let mut off = spec;
     off["analytics"]["readOnlyRole"]["enabled"] = json!(false);
@@ -1013,12 +1019,18 @@ async fn the_analysts_role_is_removed_even_without_the_condition_and_only_once_d
         (Some("False"), Some("RoleRemovalPending")),
         "{access}"
     );
-    assert!(f.get(ANALYTICS_SECRET).is_some(), "kept until the role is dropped");
+    assert!(
+        f.get(ANALYTICS_SECRET).is_some(),
+        "kept until the role is dropped"
+    );
     *sql.failing.lock().unwrap() = None;
     sql.runs();
     f.reconcile().await;
     assert_eq!(
-        sql.runs().iter().map(|(_, s)| s.clone()).collect::<Vec<_>>(),
+        sql.runs()
+            .iter()
+            .map(|(_, s)| s.clone())
+            .collect::<Vec<_>>(),
         [reports_server_operator::analytics::drop_statements(
             "reports_analytics"
         )]

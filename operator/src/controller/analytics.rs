@@ -185,7 +185,10 @@ async fn ensure_secret(
         password: password.clone(),
     };
     let mut labels = desired::labels(rs);
-    labels.insert(ANALYTICS_SECRET_MARK.0.into(), ANALYTICS_SECRET_MARK.1.into());
+    labels.insert(
+        ANALYTICS_SECRET_MARK.0.into(),
+        ANALYTICS_SECRET_MARK.1.into(),
+    );
     let metadata = serde_json::json!({
         "name": name, "namespace": ns, "labels": labels,
         "ownerReferences": [owner_reference(rs)],
@@ -273,7 +276,8 @@ async fn grant(rs: &ReportsServer, ctx: &Context) -> Result<Observation, Error> 
             tracing::info!(role = ROLE, "the analysts' read-only role is in place");
             if sent_password {
                 let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-                let patch = serde_json::json!({"metadata": {"annotations": {PASSWORD_APPLIED: sha}}});
+                let patch =
+                    serde_json::json!({"metadata": {"annotations": {PASSWORD_APPLIED: sha}}});
                 if let Err(e) = secrets
                     .patch(&secret, &PatchParams::default(), &Patch::Merge(&patch))
                     .await

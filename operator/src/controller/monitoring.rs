@@ -5,8 +5,8 @@
 
 use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
-use kube::{Resource, ResourceExt};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+use kube::{Resource, ResourceExt};
 use reports_server_crds::reportsserver::ReportsServer;
 
 use crate::database_check::Observation;
