@@ -26,6 +26,7 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use crate::{
     controlplane::{ControlPlane, run_cache_build_script, spawn_tied_to_test},
     kubectl::Kubectl,
+    plain_http,
     server::free_port,
 };
 
@@ -208,37 +209,6 @@ impl Proc {
             let _ = c.wait();
         }
     }
-}
-
-/// The body of a plain-HTTP GET (Kyverno's metrics endpoint), HTTP/1.0 so the server closes
-/// the connection after the body.
-async fn http_get_text(address: &str, path: &str) -> Result<String> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::time::timeout(
-        Duration::from_secs(10),
-        tokio::net::TcpStream::connect(address),
-    )
-    .await
-    .context("connect timed out")??;
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
-        .await?;
-    let mut response = String::new();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        stream.read_to_string(&mut response),
-    )
-    .await
-    .context("read timed out")??;
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| anyhow!("no HTTP response"))?;
-    ensure!(
-        head.starts_with("HTTP/1.") && head.split(' ').nth(1) == Some("200"),
-        "{}",
-        head.lines().next().unwrap_or_default()
-    );
-    Ok(body.to_owned())
 }
 
 /// The three Kyverno controllers, running against a [`ControlPlane`].
@@ -692,18 +662,18 @@ impl Kyverno {
             .find_map(|a| a.strip_prefix("--metricsPort="))
             .ok_or_else(|| anyhow!("{c} runs without --metricsPort"))?
             .to_owned();
-        let text = http_get_text(&format!("127.0.0.1:{port}"), "/metrics")
+        let port: u16 = port.parse().context("--metricsPort")?;
+        let (code, text) = plain_http::get(port, "/metrics", Duration::from_secs(10))
             .await
-            .with_context(|| format!("reading {c}'s metrics on port {port}"))?;
-        let label = format!("circuit_name=\"{circuit}\"");
-        Ok(text
-            .lines()
-            .filter(|l| {
-                l.strip_prefix(metric)
-                    .is_some_and(|rest| rest.starts_with(['{', '_']))
-                    && l.contains(&label)
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .with_context(|| format!("reading {c}'s metrics"))?;
+        ensure!(code == 200, "{c}'s /metrics answered {code}");
+        // `kyverno_breaker_drops` is exported as `kyverno_breaker_drops_total`; a name that
+        // already ends in `_total` keeps it.
+        let names = [metric.to_owned(), format!("{metric}_total")];
+        Ok(plain_http::parse_prometheus(&text)?
+            .iter()
+            .filter(|s| names.contains(&s.name) && s.label("circuit_name") == circuit)
+            .map(|s| s.value)
             .sum())
     }
 

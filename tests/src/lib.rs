@@ -15,6 +15,7 @@ pub mod node;
 pub mod objects;
 pub mod operator;
 pub mod patroni;
+pub mod plain_http;
 pub mod policy_reporter;
 pub mod postgres;
 pub mod server;

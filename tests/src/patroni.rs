@@ -30,9 +30,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::controlplane::{binaries_dir, free_ports, spawn_tied_to_test};
+use crate::plain_http::get as http_get;
+
+/// How long Patroni's REST API and etcd's health endpoint may take to answer.
+const HTTP_DEADLINE: Duration = Duration::from_secs(2);
 use crate::postgres::which;
 
 /// Patroni's `scope`: the cluster's name in the DCS and in `patronictl`.
@@ -296,7 +299,7 @@ impl PatroniCluster {
     pub async fn topology(&self) -> anyhow::Result<Vec<MemberState>> {
         let mut last = None;
         for member in self.members.iter().filter(|m| m.is_alive()) {
-            match http_get(member.rest_port, "/cluster").await {
+            match http_get(member.rest_port, "/cluster", HTTP_DEADLINE).await {
                 Ok((200, body)) => return parse_topology(&body),
                 Ok((code, body)) => last = Some(anyhow::anyhow!("GET /cluster: {code} {body}")),
                 Err(e) => last = Some(e),
@@ -514,29 +517,6 @@ fn parse_topology(body: &str) -> anyhow::Result<Vec<MemberState>> {
         .collect())
 }
 
-/// A plain HTTP/1.0 GET on 127.0.0.1 (Patroni's REST API, etcd's health), with a 2 s deadline.
-async fn http_get(port: u16, path: &str) -> anyhow::Result<(u16, String)> {
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-        stream
-            .write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
-            .await?;
-        let mut buf = Vec::new();
-        stream.read_to_end(&mut buf).await?;
-        anyhow::Ok(String::from_utf8_lossy(&buf).into_owned())
-    };
-    let text = tokio::time::timeout(Duration::from_secs(2), exchange)
-        .await
-        .with_context(|| format!("GET 127.0.0.1:{port}{path}: no answer within 2s"))??;
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("GET 127.0.0.1:{port}{path}: malformed answer"))?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    Ok((code, body.to_owned()))
-}
-
 fn spawn_etcd(bin: &Path, root: &Path, port: u16, peer_port: u16) -> anyhow::Result<Child> {
     let peer = format!("http://127.0.0.1:{peer_port}");
     let client = format!("http://127.0.0.1:{port}");
@@ -558,7 +538,7 @@ fn spawn_etcd(bin: &Path, root: &Path, port: u16, peer_port: u16) -> anyhow::Res
 async fn await_etcd(port: u16) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match http_get(port, "/health").await {
+        match http_get(port, "/health", HTTP_DEADLINE).await {
             Ok((200, body)) if body.contains("\"health\":\"true\"") => return Ok(()),
             other if Instant::now() > deadline => bail!("etcd not healthy within 30s: {other:?}"),
             _ => tokio::time::sleep(Duration::from_millis(100)).await,

@@ -29,13 +29,18 @@ use std::{
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use crate::{
     controlplane::{ControlPlane, KubeconfigAuth, run_cache_build_script, spawn_tied_to_test},
     kubectl::Kubectl,
+    plain_http::get as http_get,
     server::free_port,
 };
+
+pub use crate::plain_http::parse_prometheus;
+
+/// How long Policy Reporter may take to answer one request.
+const HTTP_DEADLINE: Duration = Duration::from_secs(10);
 
 /// The Policy Reporter release the suite runs (pinned in `tests/policy-reporter/build.sh`).
 pub const POLICY_REPORTER_VERSION: &str = "v3.9.0";
@@ -200,7 +205,7 @@ impl PolicyReporter {
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         loop {
             self.check_running()?;
-            let last = match http_get(self.port, "/ready").await {
+            let last = match http_get(self.port, "/ready", HTTP_DEADLINE).await {
                 Ok((200, _)) => return Ok(()),
                 Ok((code, body)) => format!("GET /ready: {code} {}", body.trim()),
                 Err(e) => format!("{e:#}"),
@@ -263,7 +268,7 @@ impl PolicyReporter {
 
     /// GETs a path of its HTTP server and parses the JSON answer.
     async fn get_json(&self, path: &str) -> Result<Value> {
-        let (code, body) = http_get(self.port, path).await?;
+        let (code, body) = http_get(self.port, path, HTTP_DEADLINE).await?;
         ensure!(
             code == 200,
             "Policy Reporter GET {path}: {code} {}",
@@ -318,7 +323,7 @@ impl PolicyReporter {
     /// detailed mode every series is one result (value 1), labelled with its report, rule,
     /// subject, status, severity, category and source.
     pub async fn metric_counts(&self) -> Result<Counts> {
-        let (code, body) = http_get(self.port, "/metrics").await?;
+        let (code, body) = http_get(self.port, "/metrics", HTTP_DEADLINE).await?;
         ensure!(code == 200, "Policy Reporter GET /metrics: {code}");
         let mut counts = Counts::default();
         for sample in parse_prometheus(&body)? {
@@ -699,114 +704,6 @@ pub async fn expect_agreement(
             );
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
-    }
-}
-
-// ---- plain HTTP and the Prometheus text format -------------------------------------------------
-
-/// A plain HTTP/1.0 GET on 127.0.0.1 (Policy Reporter's server speaks plain HTTP; 1.0 makes it
-/// close the connection after the body, so no chunked encoding), with a 10 s deadline.
-async fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-        stream
-            .write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
-            .await?;
-        let mut buf = Vec::new();
-        stream.read_to_end(&mut buf).await?;
-        anyhow::Ok(String::from_utf8_lossy(&buf).into_owned())
-    };
-    let text = tokio::time::timeout(Duration::from_secs(10), exchange)
-        .await
-        .with_context(|| format!("GET 127.0.0.1:{port}{path}: no answer within 10s"))??;
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("GET 127.0.0.1:{port}{path}: malformed answer"))?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    Ok((code, body.to_owned()))
-}
-
-/// One sample of the Prometheus text exposition format.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Sample {
-    pub name: String,
-    pub labels: BTreeMap<String, String>,
-    pub value: f64,
-}
-
-impl Sample {
-    fn label(&self, key: &str) -> String {
-        self.labels.get(key).cloned().unwrap_or_default()
-    }
-}
-
-/// Parses the samples of a Prometheus text exposition (comments skipped; label values unescaped:
-/// `\\`, `\"`, `\n`).
-pub fn parse_prometheus(text: &str) -> Result<Vec<Sample>> {
-    let mut samples = Vec::new();
-    for line in text.lines().map(str::trim) {
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-        let name = line[..name_end].to_owned();
-        let mut labels = BTreeMap::new();
-        let mut rest = &line[name_end..];
-        if let Some(after) = rest.strip_prefix('{') {
-            let (parsed, tail) = parse_labels(after).with_context(|| format!("in {line:?}"))?;
-            labels = parsed;
-            rest = tail;
-        }
-        let value = rest
-            .split_whitespace()
-            .next()
-            .ok_or_else(|| anyhow!("no value in {line:?}"))?;
-        let value = value
-            .parse::<f64>()
-            .with_context(|| format!("value of {line:?}"))?;
-        samples.push(Sample {
-            name,
-            labels,
-            value,
-        });
-    }
-    Ok(samples)
-}
-
-/// Parses `k="v",k2="v2"}` and returns the labels and what follows the `}`.
-fn parse_labels(s: &str) -> Result<(BTreeMap<String, String>, &str)> {
-    let mut labels = BTreeMap::new();
-    let mut rest = s.trim_start_matches(',');
-    loop {
-        rest = rest.trim_start();
-        if let Some(tail) = rest.strip_prefix('}') {
-            return Ok((labels, tail));
-        }
-        let eq = rest.find('=').ok_or_else(|| anyhow!("label without ="))?;
-        let key = rest[..eq].trim().to_owned();
-        let mut chars = rest[eq + 1..]
-            .strip_prefix('"')
-            .ok_or_else(|| anyhow!("label {key} without a quoted value"))?
-            .char_indices();
-        let mut value = String::new();
-        let end = loop {
-            match chars.next() {
-                Some((_, '\\')) => match chars.next() {
-                    Some((_, 'n')) => value.push('\n'),
-                    Some((_, c)) => value.push(c),
-                    None => bail!("label {key}: escape at the end"),
-                },
-                Some((i, '"')) => break i,
-                Some((_, c)) => value.push(c),
-                None => bail!("label {key}: unterminated value"),
-            }
-        };
-        labels.insert(key, value);
-        // `end` indexes the closing quote within the value part.
-        let consumed = eq + 1 + 1 + end + 1;
-        rest = rest[consumed..].trim_start().trim_start_matches(',');
     }
 }
 
