@@ -221,9 +221,23 @@ struct ServeArgs {
     /// Where to write the admin kubeconfig [default: <data-dir>/kubeconfig].
     #[arg(long, env = "REPORTS_SERVER_WRITE_KUBECONFIG")]
     write_kubeconfig: Option<PathBuf>,
-    /// Largest accepted request body in bytes (larger requests get 413).
-    #[arg(long, env = "REPORTS_SERVER_MAX_REQUEST_BYTES", default_value_t = 3 * 1024 * 1024)]
+    /// Largest accepted request body in bytes (larger requests get 413). kube-apiserver's
+    /// proxy passes bodies of any size: this is the largest report the cluster can store.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MAX_REQUEST_BYTES",
+        default_value_t = reports_server_apiserver::http::DEFAULT_MAX_REQUEST_BYTES
+    )]
     max_request_bytes: usize,
+    /// Bytes of request bodies handled at once, all requests together; a body that does not fit
+    /// gets 429 (handling a body takes tens of times its size in memory at its peak). At least
+    /// --max-request-bytes.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_MAX_INFLIGHT_REQUEST_BYTES",
+        default_value_t = reports_server_apiserver::http::DEFAULT_MAX_INFLIGHT_REQUEST_BYTES
+    )]
+    max_inflight_request_bytes: usize,
     /// Seconds between BOOKMARK events on watches that allow them.
     #[arg(
         long,
@@ -384,6 +398,25 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
+/// The HTTP layer's tunables from `serve`'s flags.
+fn api_options(args: &ServeArgs) -> anyhow::Result<ApiOptions> {
+    anyhow::ensure!(
+        args.max_inflight_request_bytes >= args.max_request_bytes,
+        "--max-inflight-request-bytes ({}) is below --max-request-bytes ({}): a body of \
+         the largest accepted size would always be refused; raise the first or lower the second",
+        args.max_inflight_request_bytes,
+        args.max_request_bytes
+    );
+    let mut api = ApiOptions {
+        max_request_bytes: args.max_request_bytes,
+        max_inflight_request_bytes: args.max_inflight_request_bytes,
+        bookmark_interval: Duration::from_secs(args.bookmark_interval_seconds.max(1)),
+        ..ApiOptions::default()
+    };
+    args.limits.apply(&mut api);
+    Ok(api)
+}
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     args.statistics.options()?;
     let mut store = args.database.store_options()?;
@@ -419,15 +452,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         data_dir,
         bind: SocketAddr::new(args.bind_address, args.secure_port),
         store,
-        api: {
-            let mut api = ApiOptions {
-                max_request_bytes: args.max_request_bytes,
-                bookmark_interval: Duration::from_secs(args.bookmark_interval_seconds.max(1)),
-                ..ApiOptions::default()
-            };
-            args.limits.apply(&mut api);
-            api
-        },
+        api: api_options(&args)?,
         kubeconfig,
         auth,
         serving,

@@ -16,9 +16,11 @@ use serde_json::{Value, json};
 const NS: &str = "team-a";
 const COLLECTION: &str = "/apis/wgpolicyk8s.io/v1alpha2/namespaces/team-a/policyreports";
 /// The server's body limit (its default), which the large cases fill.
-const BODY_LIMIT: usize = 3 * 1024 * 1024;
+const BODY_LIMIT: usize = 8 * 1024 * 1024;
 /// Peak resident memory a case may add to the server's (debug build).
-const MEMORY_BOUND_MIB: u64 = 96;
+/// 32 bytes per byte of the largest body: handling a body takes 20–55× its size at peak in the
+/// debug build (a create and an update of a full-limit report the most).
+const MEMORY_BOUND_MIB: u64 = 32 * (BODY_LIMIT as u64 >> 20);
 /// An unrelated create may always take this long: a stall is seconds of a server that does
 /// nothing else, while a debug build on a busy 2-core CI machine sees 0.9 s scheduling spikes
 /// (an unloaded create 88 ms, the slowest meanwhile 896 ms).
@@ -91,6 +93,37 @@ impl Harness {
             status,
             serde_json::from_slice(&bytes).unwrap_or(Value::Null),
         )
+    }
+
+    /// Starts a write that declares `content_length` bytes and sends one, then sends another
+    /// write, which must be refused 429 with `Retry-After`; returns the held connection and the
+    /// refusal's Status.
+    async fn write_behind_a_slow_one(
+        &self,
+        content_length: usize,
+    ) -> (
+        tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+        Value,
+    ) {
+        use tokio::io::AsyncWriteExt;
+        let mut slow = tls_stream(self, true).await;
+        let head = format!(
+            "POST {COLLECTION} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {content_length}\r\n\r\n{{"
+        );
+        slow.write_all(head.as_bytes()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (status, body) = self
+            .raw(
+                "POST",
+                COLLECTION,
+                "application/json",
+                serde_json::to_vec(&report(9)).unwrap(),
+            )
+            .await;
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(body["reason"], "TooManyRequests");
+        assert_eq!(body["details"]["retryAfterSeconds"], 1);
+        (slow, body)
     }
 
     /// The server answers, the seeded report is as it was, and its peak memory stayed bounded.
@@ -242,7 +275,7 @@ async fn a_json_patch_that_nests_deeper_than_the_limit_is_refused_at_the_full_bo
     // At the full body limit a patch of these operations has more than kube-apiserver's 10,000.
     let (status, body) = h
         .with_unrelated_creates(
-            "deep patch, 3 MiB",
+            "deep patch, full limit",
             h.raw(
                 "PATCH",
                 format!("{COLLECTION}/report-00000"),
@@ -381,7 +414,7 @@ async fn writes_at_the_full_body_limit_are_stored_and_measured() {
     // limit is measured here, not bounded: a writer in the same group commit round waits for it.
     let (status, created) = h
         .with_unrelated_creates_measured(
-            "3 MiB create",
+            "full-limit create",
             h.raw("POST", COLLECTION, "application/json", body),
         )
         .await;
@@ -391,7 +424,7 @@ async fn writes_at_the_full_body_limit_are_stored_and_measured() {
     let uri = format!("{COLLECTION}/report-00050");
     let (status, body) = h
         .with_unrelated_creates_measured(
-            "3 MiB update",
+            "full-limit update",
             h.raw(
                 "PUT",
                 uri,
@@ -401,9 +434,9 @@ async fn writes_at_the_full_body_limit_are_stored_and_measured() {
         )
         .await;
     assert_eq!(status, 200, "{body}");
-    // Legitimate, not hostile: a 3 MiB report of 12,000 results is parsed, checked against
+    // Legitimate, not hostile: a full-limit report (some 32,000 results) is parsed, checked against
     // the schema, stored with a row per result and kept for watchers, old and new side by side.
-    h.assert_healthy_within("3 MiB writes", &before, 3 * MEMORY_BOUND_MIB)
+    h.assert_healthy_within("full-limit writes", &before, 3 * MEMORY_BOUND_MIB)
         .await;
 }
 
@@ -740,7 +773,7 @@ async fn slow_and_silent_connections_are_closed_within_the_header_timeout_while_
 
 #[tokio::test]
 async fn requests_over_the_in_flight_cap_get_429_and_slow_bodies_504() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     let h = Harness::start(&[
         "--max-mutating-requests-inflight",
         "1",
@@ -749,24 +782,9 @@ async fn requests_over_the_in_flight_cap_get_429_and_slow_bodies_504() {
     ])
     .await;
     let before = h.seeded().await;
-    // One write holds the only mutating slot by sending its body slowly…
-    let mut slow = tls_stream(&h, true).await;
-    let head = format!(
-        "POST {COLLECTION} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
-    );
-    slow.write_all(head.as_bytes()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // …so another write is refused at once, with Retry-After.
-    let (status, body) = h
-        .raw(
-            "POST",
-            COLLECTION,
-            "application/json",
-            serde_json::to_vec(&report(9)).unwrap(),
-        )
-        .await;
-    assert_eq!(status, 429, "{body}");
-    assert_eq!(body["details"]["retryAfterSeconds"], 1);
+    // One write holds the only mutating slot by sending its body slowly, so another write is
+    // refused at once, with Retry-After.
+    let (mut slow, _) = h.write_behind_a_slow_one(100).await;
     // Reads have their own cap.
     assert_eq!(
         h.raw("GET", COLLECTION, "application/json", Vec::new())
@@ -783,6 +801,69 @@ async fn requests_over_the_in_flight_cap_get_429_and_slow_bodies_504() {
     let answer = String::from_utf8_lossy(&answer[..n]);
     assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
     h.assert_healthy("in-flight", &before).await;
+}
+
+#[tokio::test]
+async fn bodies_over_the_in_flight_byte_budget_get_429_until_the_budget_frees() {
+    let budget = 1024 * 1024;
+    let h = Harness::start(&[
+        "--max-inflight-request-bytes",
+        &budget.to_string(),
+        "--max-request-bytes",
+        &budget.to_string(),
+    ])
+    .await;
+    let before = h.seeded().await;
+    // A write declares the whole budget and sends its body slowly, holding it, so another
+    // write's body does not fit: 429 with Retry-After, nothing stored.
+    let (slow, body) = h.write_behind_a_slow_one(budget).await;
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("--max-inflight-request-bytes")),
+        "{body}"
+    );
+    // A request without a body takes nothing from it.
+    assert_eq!(
+        h.raw("GET", COLLECTION, "application/json", Vec::new())
+            .await
+            .0,
+        200
+    );
+    // The held body ends (the connection closes): its share comes back and the write goes in.
+    drop(slow);
+    let mut stored = false;
+    for _ in 0..50 {
+        let (status, _) = h
+            .raw(
+                "POST",
+                COLLECTION,
+                "application/json",
+                serde_json::to_vec(&report(9)).unwrap(),
+            )
+            .await;
+        if status == 201 {
+            stored = true;
+            break;
+        }
+        assert_eq!(status, 429, "only the budget may refuse it");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(stored, "the budget came back after the held body ended");
+    let text = h
+        .client
+        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
+        .await
+        .unwrap();
+    let refusals = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("reports_server_apiserver_request_body_budget_refusals_total ")
+        })
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no refusal counter in /metrics:\n{text}"));
+    assert!(refusals >= 1.0, "{refusals}");
+    h.assert_healthy("body budget", &before).await;
 }
 
 #[tokio::test]

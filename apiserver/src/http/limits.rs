@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::Semaphore;
@@ -83,17 +83,10 @@ pub async fn limit_request(
 }
 
 fn too_many_requests(kind: &str) -> Response {
-    let mut response = ApiError::new(
-        StatusCode::TOO_MANY_REQUESTS,
-        "TooManyRequests",
-        format!("Too many requests: the server has too many {kind} requests in flight, please try again later"),
-    )
-    .with_details(serde_json::json!({"retryAfterSeconds": 1}))
-    .into_response();
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    response
+    ApiError::too_many_requests(format!(
+        "Too many requests: the server has too many {kind} requests in flight, please try again later"
+    ))
+    .into_response()
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@
 //! Object semantics live in [`crate::registry`]; rendering in [`render`]; `v1 Status` errors
 //! in [`status`].
 
+pub mod body;
 pub mod discovery;
 pub mod limits;
 pub mod negotiate;
@@ -48,11 +49,21 @@ use crate::auth::{Attributes, AuthRequest, Authenticator, Authorizer, PeerCertif
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 
+/// `--max-request-bytes`: a body holds one object, so the largest object the registry stores.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = crate::registry::patch::DEFAULT_MAX_OBJECT_BYTES;
+
+/// `--max-inflight-request-bytes`: two maximal bodies at once (handling one takes 20–55× its
+/// size at peak, measured on the debug build: a few hundred MiB), or some 1,800 reports of the
+/// usual 9 KB, far more than the 200 writes `--max-mutating-requests-inflight` lets in.
+pub const DEFAULT_MAX_INFLIGHT_REQUEST_BYTES: usize = 2 * DEFAULT_MAX_REQUEST_BYTES;
+
 /// Tunables of the HTTP layer.
 #[derive(Clone, Debug)]
 pub struct ApiOptions {
     /// Largest accepted request body (413 above it).
     pub max_request_bytes: usize,
+    /// Bytes of request bodies handled at once, all requests together (429 above it).
+    pub max_inflight_request_bytes: usize,
     /// Interval between BOOKMARK events on watches that allow them.
     pub bookmark_interval: Duration,
     /// Non-watch requests in flight at once: reads, and writes (429 above).
@@ -65,7 +76,8 @@ pub struct ApiOptions {
 impl Default for ApiOptions {
     fn default() -> Self {
         ApiOptions {
-            max_request_bytes: 3 * 1024 * 1024,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            max_inflight_request_bytes: DEFAULT_MAX_INFLIGHT_REQUEST_BYTES,
             bookmark_interval: Duration::from_secs(60),
             max_requests_inflight: 400,
             max_mutating_requests_inflight: 200,
@@ -132,8 +144,10 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             observe_request,
         ));
+    let budget = body::BodyBudget::new(state.options.max_inflight_request_bytes, &state.metrics);
     let resources = Router::new()
         .route("/apis/{*rest}", any(resource))
+        .layer(axum::Extension(budget))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             authorize_resource,
@@ -583,64 +597,30 @@ fn discovery_response(headers: &HeaderMap, doc: Option<Value>) -> Response {
 async fn resource(
     State(state): State<AppState>,
     axum::Extension(request): axum::Extension<ResourceRequest>,
+    axum::Extension(budget): axum::Extension<body::BodyBudget>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let ResourceRequest {
-        info,
-        mut params,
-        force,
-    } = request;
     // While the database does not answer, refuse at once rather than after a connection
     // timeout; a request caught in flight when it stops is ended (see `store::health`).
     let health = state.registry.health().clone();
     if let Some(outage) = health.outage() {
         return ApiError::database_down(&outage).into_response();
     }
-    let work = async {
-        let body = if info.verb.has_body() {
-            read_body(&headers, body, state.options.max_request_bytes).await?
-        } else {
-            bytes::Bytes::new()
-        };
-        let r = &info.resource;
-        match (info.verb, info.name.as_deref()) {
-            (Verb::Get, Some(name)) => resources::get(&state, r, name, &params, &headers).await,
-            (Verb::List, None) => resources::list(&state, r, &params, &headers).await,
-            (Verb::Watch, name) => {
-                if let Some(name) = name {
-                    // A watch on a single object is a field-selected watch.
-                    params.fields = std::mem::take(&mut params.fields)
-                        .for_named_watch(name)
-                        .map_err(|e| ApiError::bad_request(e.to_string()))?;
-                }
-                watch::watch(&state, r, &params, &headers).await
-            }
-            (Verb::Create, None) => resources::create(&state, r, &params, &headers, body).await,
-            (Verb::Update, Some(name)) => {
-                resources::update(&state, r, name, &params, &headers, body).await
-            }
-            (Verb::Patch, Some(name)) => {
-                resources::patch(&state, r, name, &params, force.as_deref(), &headers, body).await
-            }
-            (Verb::Delete, Some(name)) => {
-                resources::delete(&state, r, name, &params, &headers, body).await
-            }
-            (Verb::DeleteCollection, None) => {
-                resources::delete_collection(&state, r, &params, &headers, body).await
-            }
-            // RequestInfo::resolve pairs each verb with its kind of path.
-            (verb, _) => Err(ApiError::method_not_allowed(format!(
-                "{} is not allowed on this path",
-                verb.as_str()
-            ))),
+    let is_write = request.info.verb.is_write();
+    let work = async move {
+        if !request.info.verb.has_body() {
+            return dispatch(state, request, headers, bytes::Bytes::new()).await;
         }
+        let limit = state.options.max_request_bytes;
+        let (body, _held_until_answered) = budget.read(&headers, body, limit).await?;
+        body::offload(body.len(), dispatch(state, request, headers, body)).await
     };
     // A read caught in flight when the database stops answering is ended here. A write is
     // ended by the store, which races each of its database calls against the outage
     // (`Store::unless_outage`) and so knows whether its COMMIT was sent: 503 when it was not
     // (nothing stored), 504 when it was (the outcome is unknown).
-    let result: Result<Response, ApiError> = if info.verb.is_write() {
+    let result: Result<Response, ApiError> = if is_write {
         work.await
     } else {
         tokio::select! {
@@ -651,26 +631,50 @@ async fn resource(
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn read_body(
-    headers: &HeaderMap,
-    body: Body,
-    limit: usize,
-) -> Result<bytes::Bytes, ApiError> {
-    // A declared length over the limit is refused before any of the body is awaited.
-    let declared = headers
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(ApiError::too_large(limit));
-    }
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
-        if std::error::Error::source(&e).is_some_and(|s| s.to_string().contains("length limit"))
-            || e.to_string().contains("length limit")
-        {
-            ApiError::too_large(limit)
-        } else {
-            ApiError::bad_request(format!("cannot read the request body: {e}"))
+/// The verb's handler, given the request's whole body (empty for verbs without one).
+async fn dispatch(
+    state: AppState,
+    request: ResourceRequest,
+    headers: HeaderMap,
+    body: bytes::Bytes,
+) -> Result<Response, ApiError> {
+    let ResourceRequest {
+        info,
+        mut params,
+        force,
+    } = request;
+    let state = &state;
+    let headers = &headers;
+    let r = &info.resource;
+    match (info.verb, info.name.as_deref()) {
+        (Verb::Get, Some(name)) => resources::get(state, r, name, &params, headers).await,
+        (Verb::List, None) => resources::list(state, r, &params, headers).await,
+        (Verb::Watch, name) => {
+            if let Some(name) = name {
+                // A watch on a single object is a field-selected watch.
+                params.fields = std::mem::take(&mut params.fields)
+                    .for_named_watch(name)
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            }
+            watch::watch(state, r, &params, headers).await
         }
-    })
+        (Verb::Create, None) => resources::create(state, r, &params, headers, body).await,
+        (Verb::Update, Some(name)) => {
+            resources::update(state, r, name, &params, headers, body).await
+        }
+        (Verb::Patch, Some(name)) => {
+            resources::patch(state, r, name, &params, force.as_deref(), headers, body).await
+        }
+        (Verb::Delete, Some(name)) => {
+            resources::delete(state, r, name, &params, headers, body).await
+        }
+        (Verb::DeleteCollection, None) => {
+            resources::delete_collection(state, r, &params, headers, body).await
+        }
+        // RequestInfo::resolve pairs each verb with its kind of path.
+        (verb, _) => Err(ApiError::method_not_allowed(format!(
+            "{} is not allowed on this path",
+            verb.as_str()
+        ))),
+    }
 }

@@ -129,6 +129,12 @@ impl ApiError {
         )
     }
 
+    /// 429 with `Retry-After: 1` (in the header and in `details`, where client-go reads it).
+    pub fn too_many_requests(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "TooManyRequests", message)
+            .with_details(json!({"retryAfterSeconds": 1}))
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", message)
     }
@@ -189,7 +195,10 @@ impl ApiError {
         if let Some(token) = &self.continue_token {
             status["metadata"] = json!({"continue": token, "resourceVersion": ""});
         }
-        if self.code == StatusCode::SERVICE_UNAVAILABLE {
+        if matches!(
+            self.code,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+        ) {
             status["details"]["retryAfterSeconds"] = json!(1);
         }
         status

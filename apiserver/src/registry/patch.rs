@@ -35,10 +35,14 @@ pub struct ObjectLimits {
     pub max_object_bytes: usize,
 }
 
+/// The largest object by default: 8 MiB, twice the 4 MB vulnerability reports that outgrow
+/// etcd's 1.5 MiB, and a statement well inside MariaDB's default `max_allowed_packet` (16 MiB).
+pub const DEFAULT_MAX_OBJECT_BYTES: usize = 8 * 1024 * 1024;
+
 impl Default for ObjectLimits {
     fn default() -> Self {
         ObjectLimits {
-            max_object_bytes: 3 * 1024 * 1024,
+            max_object_bytes: DEFAULT_MAX_OBJECT_BYTES,
         }
     }
 }
