@@ -95,6 +95,12 @@ impl Harness {
         )
     }
 
+    /// Creates report `n` as raw JSON, whatever the answer.
+    async fn post_report(&self, n: u64) -> (u16, Value) {
+        let body = serde_json::to_vec(&report(n)).unwrap();
+        self.raw("POST", COLLECTION, "application/json", body).await
+    }
+
     /// Starts a write that declares `content_length` bytes and sends one, then sends another
     /// write, which must be refused 429 with `Retry-After`; returns the held connection and the
     /// refusal's Status.
@@ -112,14 +118,7 @@ impl Harness {
         );
         slow.write_all(head.as_bytes()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let (status, body) = self
-            .raw(
-                "POST",
-                COLLECTION,
-                "application/json",
-                serde_json::to_vec(&report(9)).unwrap(),
-            )
-            .await;
+        let (status, body) = self.post_report(9).await;
         assert_eq!(status, 429, "{body}");
         assert_eq!(body["reason"], "TooManyRequests");
         assert_eq!(body["details"]["retryAfterSeconds"], 1);
@@ -834,14 +833,7 @@ async fn bodies_over_the_in_flight_byte_budget_get_429_until_the_budget_frees() 
     drop(slow);
     let mut stored = false;
     for _ in 0..50 {
-        let (status, _) = h
-            .raw(
-                "POST",
-                COLLECTION,
-                "application/json",
-                serde_json::to_vec(&report(9)).unwrap(),
-            )
-            .await;
+        let (status, _) = h.post_report(9).await;
         if status == 201 {
             stored = true;
             break;
