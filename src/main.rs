@@ -229,9 +229,9 @@ struct ServeArgs {
         default_value_t = reports_server_apiserver::http::DEFAULT_MAX_REQUEST_BYTES
     )]
     max_request_bytes: usize,
-    /// Bytes of request bodies handled at once, all requests together; a body that does not fit
-    /// gets 429 (handling a body takes tens of times its size in memory at its peak). At least
-    /// --max-request-bytes.
+    /// Bytes of request bodies handled at once, all requests together, counted as they arrive; a
+    /// body that does not fit gets 429 (handling a body takes tens of times its size in memory at
+    /// its peak). At least --max-request-bytes, at most 4 GiB.
     #[arg(
         long,
         env = "REPORTS_SERVER_MAX_INFLIGHT_REQUEST_BYTES",
@@ -406,6 +406,12 @@ fn api_options(args: &ServeArgs) -> anyhow::Result<ApiOptions> {
          the largest accepted size would always be refused; raise the first or lower the second",
         args.max_inflight_request_bytes,
         args.max_request_bytes
+    );
+    anyhow::ensure!(
+        args.max_inflight_request_bytes <= u32::MAX as usize,
+        "--max-inflight-request-bytes ({}) is above the largest supported, {} (4 GiB)",
+        args.max_inflight_request_bytes,
+        u32::MAX
     );
     let mut api = ApiOptions {
         max_request_bytes: args.max_request_bytes,

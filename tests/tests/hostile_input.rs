@@ -18,9 +18,10 @@ const COLLECTION: &str = "/apis/wgpolicyk8s.io/v1alpha2/namespaces/team-a/policy
 /// The server's body limit (its default), which the large cases fill.
 const BODY_LIMIT: usize = 8 * 1024 * 1024;
 /// Peak resident memory a case may add to the server's (debug build).
-/// 32 bytes per byte of the largest body: handling a body takes 20–55× its size at peak in the
-/// debug build (a create and an update of a full-limit report the most).
-const MEMORY_BOUND_MIB: u64 = 32 * (BODY_LIMIT as u64 >> 20);
+const MEMORY_BOUND_MIB: u64 = 96;
+/// Peak resident memory a case that fills the body limit may add: 32 bytes per byte of the
+/// body (handling one takes 18–25× its size for a create in the debug build).
+const FULL_LIMIT_BOUND_MIB: u64 = 32 * (BODY_LIMIT as u64 >> 20);
 /// An unrelated create may always take this long: a stall is seconds of a server that does
 /// nothing else, while a debug build on a busy 2-core CI machine sees 0.9 s scheduling spikes
 /// (an unloaded create 88 ms, the slowest meanwhile 896 ms).
@@ -67,6 +68,17 @@ impl Harness {
         content_type: &str,
         body: Vec<u8>,
     ) -> (u16, Value) {
+        let (status, _, body) = self.raw_with_headers(method, uri, content_type, body).await;
+        (status, body)
+    }
+
+    async fn raw_with_headers(
+        &self,
+        method: &str,
+        uri: impl Into<String>,
+        content_type: &str,
+        body: Vec<u8>,
+    ) -> (u16, http::HeaderMap, Value) {
         let uri: String = uri.into();
         let request = http::Request::builder()
             .method(method)
@@ -80,6 +92,7 @@ impl Harness {
             .await
             .unwrap_or_else(|e| panic!("{method} {uri}: {e}\n{}", self.server.log_tail()));
         let status = response.status().as_u16();
+        let headers = response.headers().clone();
         let bytes = http_body_util::BodyExt::collect(response.into_body())
             .await
             .unwrap()
@@ -91,8 +104,23 @@ impl Harness {
         );
         (
             status,
+            headers,
             serde_json::from_slice(&bytes).unwrap_or(Value::Null),
         )
+    }
+
+    /// A sample of the server's `/metrics` (0 when absent).
+    async fn metric(&self, name: &str) -> f64 {
+        let text = self
+            .client
+            .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
+            .await
+            .unwrap();
+        reports_server_tests::plain_http::parse_prometheus(&text)
+            .unwrap()
+            .into_iter()
+            .find(|s| s.name == name && s.labels.is_empty())
+            .map_or(0.0, |s| s.value)
     }
 
     /// Creates report `n` as raw JSON, whatever the answer.
@@ -101,12 +129,13 @@ impl Harness {
         self.raw("POST", COLLECTION, "application/json", body).await
     }
 
-    /// Starts a write that declares `content_length` bytes and sends one, then sends another
-    /// write, which must be refused 429 with `Retry-After`; returns the held connection and the
-    /// refusal's Status.
+    /// Starts a write that declares `content_length` bytes and sends `sent` of them, waits until
+    /// the server holds them, then sends another write, which must be refused 429 with
+    /// `Retry-After`; returns the held connection and the refusal's Status.
     async fn write_behind_a_slow_one(
         &self,
         content_length: usize,
+        sent: usize,
     ) -> (
         tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
         Value,
@@ -114,14 +143,31 @@ impl Harness {
         use tokio::io::AsyncWriteExt;
         let mut slow = tls_stream(self, true).await;
         let head = format!(
-            "POST {COLLECTION} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {content_length}\r\n\r\n{{"
+            "POST {COLLECTION} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {content_length}\r\n\r\n{{{}",
+            " ".repeat(sent - 1)
         );
         slow.write_all(head.as_bytes()).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let (status, body) = self.post_report(9).await;
+        let metric = "reports_server_apiserver_request_body_bytes_in_flight";
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.metric(metric).await < sent as f64 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the server never held the slow write's {sent} bytes"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let body = serde_json::to_vec(&report(9)).unwrap();
+        let (status, headers, body) = self
+            .raw_with_headers("POST", COLLECTION, "application/json", body)
+            .await;
         assert_eq!(status, 429, "{body}");
         assert_eq!(body["reason"], "TooManyRequests");
         assert_eq!(body["details"]["retryAfterSeconds"], 1);
+        assert_eq!(
+            headers.get("retry-after").and_then(|v| v.to_str().ok()),
+            Some("1"),
+            "client-go retries a 429 only with the header"
+        );
         (slow, body)
     }
 
@@ -298,7 +344,8 @@ async fn a_json_patch_that_nests_deeper_than_the_limit_is_refused_at_the_full_bo
             .await;
         refused((status, body), 422, "levels deep");
     }
-    h.assert_healthy("deep patch", &before).await;
+    h.assert_healthy_within("deep patch", &before, FULL_LIMIT_BOUND_MIB)
+        .await;
 }
 
 #[tokio::test]
@@ -356,7 +403,8 @@ async fn json_patch_copies_operations_and_results_are_bounded() {
         )
         .await;
     assert_eq!(status, 413, "{body}");
-    h.assert_healthy("json patch bounds", &before).await;
+    h.assert_healthy_within("json patch bounds", &before, FULL_LIMIT_BOUND_MIB)
+        .await;
 }
 
 #[tokio::test]
@@ -390,7 +438,8 @@ async fn client_managed_fields_are_bounded_at_the_full_body_limit() {
         )
         .await;
     refused((status, body), 422, "managedFields");
-    h.assert_healthy("managedFields", &before).await;
+    h.assert_healthy_within("managedFields", &before, FULL_LIMIT_BOUND_MIB)
+        .await;
 }
 
 #[tokio::test]
@@ -435,7 +484,7 @@ async fn writes_at_the_full_body_limit_are_stored_and_measured() {
     assert_eq!(status, 200, "{body}");
     // Legitimate, not hostile: a full-limit report (some 32,000 results) is parsed, checked against
     // the schema, stored with a row per result and kept for watchers, old and new side by side.
-    h.assert_healthy_within("full-limit writes", &before, 3 * MEMORY_BOUND_MIB)
+    h.assert_healthy_within("full-limit writes", &before, 2 * FULL_LIMIT_BOUND_MIB)
         .await;
 }
 
@@ -783,7 +832,7 @@ async fn requests_over_the_in_flight_cap_get_429_and_slow_bodies_504() {
     let before = h.seeded().await;
     // One write holds the only mutating slot by sending its body slowly, so another write is
     // refused at once, with Retry-After.
-    let (mut slow, _) = h.write_behind_a_slow_one(100).await;
+    let (mut slow, _) = h.write_behind_a_slow_one(100, 1).await;
     // Reads have their own cap.
     assert_eq!(
         h.raw("GET", COLLECTION, "application/json", Vec::new())
@@ -813,9 +862,9 @@ async fn bodies_over_the_in_flight_byte_budget_get_429_until_the_budget_frees() 
     ])
     .await;
     let before = h.seeded().await;
-    // A write declares the whole budget and sends its body slowly, holding it, so another
+    // A write sends all but the last byte of a budget-sized body and holds it there, so another
     // write's body does not fit: 429 with Retry-After, nothing stored.
-    let (slow, body) = h.write_behind_a_slow_one(budget).await;
+    let (slow, body) = h.write_behind_a_slow_one(budget, budget - 1).await;
     assert!(
         body["message"]
             .as_str()
@@ -842,18 +891,9 @@ async fn bodies_over_the_in_flight_byte_budget_get_429_until_the_budget_frees() 
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(stored, "the budget came back after the held body ended");
-    let text = h
-        .client
-        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
-        .await
-        .unwrap();
-    let refusals = text
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("reports_server_apiserver_request_body_budget_refusals_total ")
-        })
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no refusal counter in /metrics:\n{text}"));
+    let refusals = h
+        .metric("reports_server_apiserver_request_body_budget_refusals_total")
+        .await;
     assert!(refusals >= 1.0, "{refusals}");
     h.assert_healthy("body budget", &before).await;
 }

@@ -52,9 +52,10 @@ use crate::registry::Registry;
 /// `--max-request-bytes`: a body holds one object, so the largest object the registry stores.
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = crate::registry::patch::DEFAULT_MAX_OBJECT_BYTES;
 
-/// `--max-inflight-request-bytes`: two maximal bodies at once (handling one takes 20–55× its
-/// size at peak, measured on the debug build: a few hundred MiB), or some 1,800 reports of the
-/// usual 9 KB, far more than the 200 writes `--max-mutating-requests-inflight` lets in.
+/// `--max-inflight-request-bytes`: two maximal bodies at once (handling one takes 18–25× its
+/// size at peak for a create, up to 55× for a create and an update: a few hundred MiB), or some
+/// 1,800 reports of the usual 9 KB, far more than the 200 writes
+/// `--max-mutating-requests-inflight` lets in.
 pub const DEFAULT_MAX_INFLIGHT_REQUEST_BYTES: usize = 2 * DEFAULT_MAX_REQUEST_BYTES;
 
 /// Tunables of the HTTP layer.
@@ -613,8 +614,16 @@ async fn resource(
             return dispatch(state, request, headers, bytes::Bytes::new()).await;
         }
         let limit = state.options.max_request_bytes;
-        let (body, _held_until_answered) = budget.read(&headers, body, limit).await?;
-        body::offload(body.len(), dispatch(state, request, headers, body)).await
+        let (body, reservation) = budget.read(&headers, body, limit).await?;
+        if !body::is_heavy(body.len(), request.info.verb == Verb::Patch) {
+            let _held_until_answered = reservation;
+            return dispatch(state, request, headers, body).await;
+        }
+        body::offload(async move {
+            let _held_until_answered = reservation;
+            dispatch(state, request, headers, body).await
+        })
+        .await
     };
     // A read caught in flight when the database stops answering is ended here. A write is
     // ended by the store, which races each of its database calls against the outage

@@ -129,10 +129,9 @@ impl ApiError {
         )
     }
 
-    /// 429 with `Retry-After: 1` (in the header and in `details`, where client-go reads it).
+    /// 429 with `Retry-After: 1`: client-go retries a 429 only with the header.
     pub fn too_many_requests(message: impl Into<String>) -> Self {
         Self::new(StatusCode::TOO_MANY_REQUESTS, "TooManyRequests", message)
-            .with_details(json!({"retryAfterSeconds": 1}))
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
@@ -318,7 +317,10 @@ impl IntoResponse for ApiError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        if self.code == StatusCode::SERVICE_UNAVAILABLE {
+        if matches!(
+            self.code,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+        ) {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
