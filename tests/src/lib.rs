@@ -18,6 +18,7 @@ pub mod patroni;
 pub mod plain_http;
 pub mod policy_reporter;
 pub mod postgres;
+pub mod proc_status;
 pub mod server;
 pub mod service_net;
 pub mod tools;

@@ -43,7 +43,7 @@ use reports_server_tests::{
     delegated::{self, Server, raw, raw_with},
     kube_client_with_retries,
     kubectl::{Kubectl, kubectl_path},
-    server,
+    proc_status, server,
 };
 use serde_json::{Value, json};
 
@@ -123,7 +123,11 @@ impl Env {
             mut server, cp, t0, ..
         } = self;
         match server.pid() {
-            Some(pid) => eprintln!("[big] reports-server memory: {}", memory(pid)),
+            Some(pid) => eprintln!(
+                "[big] reports-server memory: VmHWM {} MiB, VmRSS {} MiB",
+                proc_status::mib(pid, "VmHWM"),
+                proc_status::mib(pid, "VmRSS")
+            ),
             None => eprintln!("[big] reports-server is not running"),
         }
         delegated::unregister_apiservices(&cp).await?;
@@ -132,17 +136,6 @@ impl Env {
         eprintln!("[big] done in {:.1?}", t0.elapsed());
         Ok(())
     }
-}
-
-/// `VmHWM` (peak resident set) and `VmRSS` of a process, from `/proc/<pid>/status`.
-fn memory(pid: u32) -> String {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .filter(|l| l.starts_with("VmHWM") || l.starts_with("VmRSS"))
-        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 // ---- the reports -------------------------------------------------------------------------------

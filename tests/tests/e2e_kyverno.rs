@@ -1832,14 +1832,14 @@ async fn s_figures(env: &mut Env, n: usize) -> Result<Figures> {
         let (stop, peak) = (stop.clone(), peak.clone());
         tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
-                if let Some(kb) = proc_status_kb(pid, "VmRSS") {
+                if let Some(kb) = reports_server_tests::proc_status::kib(pid, "VmRSS") {
                     peak.fetch_max(kb, Ordering::Relaxed);
                 }
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
         })
     };
-    let rss_before = proc_status_kb(pid, "VmRSS").unwrap_or(0);
+    let rss_before = reports_server_tests::proc_status::kib(pid, "VmRSS").unwrap_or(0);
     let t = Instant::now();
     env.apply(&require_label_policy(
         P_SCALE,
@@ -1878,7 +1878,7 @@ async fn s_figures(env: &mut Env, n: usize) -> Result<Figures> {
     let took = t.elapsed();
     stop.store(true, Ordering::Relaxed);
     let _ = sampler.await;
-    let hwm = proc_status_kb(pid, "VmHWM").unwrap_or(0);
+    let hwm = reports_server_tests::proc_status::kib(pid, "VmHWM").unwrap_or(0);
     waited.with_context(|| env.diagnostics())?;
     let f = Figures {
         pods: n,
@@ -1916,14 +1916,6 @@ impl std::fmt::Display for Figures {
             self.vm_hwm_kb as f64 / 1024.0
         )
     }
-}
-
-fn proc_status_kb(pid: u32, key: &str) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| {
-        let rest = l.strip_prefix(key)?.strip_prefix(':')?;
-        rest.split_whitespace().next()?.parse().ok()
-    })
 }
 
 // ---- one mode ----------------------------------------------------------------------------------

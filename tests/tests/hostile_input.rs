@@ -289,13 +289,7 @@ fn report(n: u64) -> PolicyReport {
 /// The server process's peak resident set (VmHWM), MiB.
 fn peak_mib(server: &ServerProcess) -> u64 {
     let pid = server.pid().expect("the server runs");
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .expect("VmHWM")
-        / 1024
+    reports_server_tests::proc_status::kib(pid, "VmHWM").expect("VmHWM") / 1024
 }
 
 /// Operations that nest `{"spec": …}` one level deeper per three, about 120 bytes each, up to

@@ -16,6 +16,7 @@ use clap::Parser;
 use reports_server_tests::controlplane::{ControlPlane, ControlPlaneOptions};
 use reports_server_tests::delegated::{self, Server, raw_with};
 use reports_server_tests::kubectl::Kubectl;
+use reports_server_tests::proc_status;
 use serde_json::{Value, json};
 
 const COLLECTION: &str = "/apis/wgpolicyk8s.io/v1alpha2/namespaces/default/policyreports";
@@ -61,19 +62,6 @@ fn trivy_report(name: &str, bytes: usize) -> Value {
     })
 }
 
-/// `VmHWM` (peak) and `VmRSS` of `pid`, MiB.
-fn memory_mib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map_or(0, |kb| kb / 1024)
-    };
-    (field("VmHWM:"), field("VmRSS:"))
-}
-
 /// Reads the discovery document every 200 ms until `stop`; returns (reads, failures, slowest).
 async fn sample_discovery(client: kube::Client, stop: Arc<AtomicBool>) -> (u64, u64, Duration) {
     let (mut reads, mut failures, mut slowest) = (0, 0, Duration::ZERO);
@@ -111,7 +99,10 @@ async fn main() -> Result<()> {
     let admin = Kubectl::new(cp.kubeconfig_path());
     delegated::register_apiservices(&cp, &server, &admin, &client).await?;
     let pid = server.pid().context("the server's pid")?;
-    let (idle_mib, _) = memory_mib(pid);
+    let (idle_mib, _) = (
+        proc_status::mib(pid, "VmHWM"),
+        proc_status::mib(pid, "VmRSS"),
+    );
     eprintln!("[big-reports] server idle: {idle_mib} MiB");
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = tokio::spawn(sample_discovery(client.clone(), stop.clone()));
@@ -127,7 +118,10 @@ async fn main() -> Result<()> {
         let (got, body) =
             raw_with(&client, "GET", &format!("{COLLECTION}/{name}"), &[], None).await?;
         let get_s = t.elapsed().as_secs_f64();
-        let (peak_mib, rss_mib) = memory_mib(pid);
+        let (peak_mib, rss_mib) = (
+            proc_status::mib(pid, "VmHWM"),
+            proc_status::mib(pid, "VmRSS"),
+        );
         eprintln!(
             "[big-reports] {mib} MiB ({bytes} bytes): create {created} in {create_s:.2} s, get {got} ({} bytes) in {get_s:.2} s; server peak {peak_mib} MiB, now {rss_mib} MiB",
             body.len()
