@@ -3,6 +3,7 @@
 //!
 //! A test that lacks a dependency fails with a message naming what to install; none skips.
 
+pub mod big_report_fixtures;
 pub mod controlplane;
 pub mod delegated;
 pub mod findings;

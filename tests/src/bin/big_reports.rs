@@ -13,11 +13,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use reports_server_tests::big_report_fixtures::trivy_report;
 use reports_server_tests::controlplane::{ControlPlane, ControlPlaneOptions};
 use reports_server_tests::delegated::{self, Server, raw_with};
 use reports_server_tests::kubectl::Kubectl;
 use reports_server_tests::proc_status;
-use serde_json::{Value, json};
+use serde_json::json;
 
 const COLLECTION: &str = "/apis/wgpolicyk8s.io/v1alpha2/namespaces/default/policyreports";
 
@@ -35,31 +36,6 @@ struct Args {
     /// Where to write the figures as JSON.
     #[arg(long, env = "BIG_REPORTS_JSON")]
     json: Option<PathBuf>,
-}
-
-/// A Trivy-shaped report of about `bytes` bytes of JSON.
-fn trivy_report(name: &str, bytes: usize) -> Value {
-    let mut results = Vec::new();
-    let mut size = 0;
-    while size < bytes {
-        let i = results.len();
-        let result = json!({
-            "source": "Trivy", "policy": format!("CVE-2024-{i:05}"), "rule": "libssl3",
-            "result": "fail", "severity": "high", "category": "Vulnerability Scan",
-            "message": "OpenSSL: a description of the vulnerability of a few hundred bytes, as Trivy copies it from the advisory, describing impact and remediation in prose. ".repeat(2),
-            "properties": {"installedVersion": "3.0.2-0ubuntu1.10", "fixedVersion": "3.0.2-0ubuntu1.12",
-                "primaryLink": format!("https://avd.aquasec.com/nvd/cve-2024-{i:05}"), "score": "7.5", "resource": "libssl3"},
-            "timestamp": {"seconds": 1_700_000_000, "nanos": 0},
-        });
-        size += result.to_string().len() + 1;
-        results.push(result);
-    }
-    json!({
-        "apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
-        "metadata": {"name": name, "namespace": "default"},
-        "scope": {"apiVersion": "v1", "kind": "Pod", "name": "web-0", "namespace": "default"},
-        "summary": {"fail": results.len()}, "results": results,
-    })
 }
 
 /// Reads the discovery document every 200 ms until `stop`; returns (reads, failures, slowest).
@@ -109,7 +85,7 @@ async fn main() -> Result<()> {
     let mut rows = Vec::new();
     for mib in &args.sizes {
         let name = format!("trivy-{mib}mib");
-        let report = trivy_report(&name, mib << 20);
+        let report = trivy_report(&name, mib << 20)?;
         let bytes = report.to_string().len();
         let t = Instant::now();
         let (created, _) = raw_with(&client, "POST", COLLECTION, &[], Some(&report)).await?;
