@@ -23,6 +23,9 @@
 //!   `--write-rate` creates per second run for `--write-seconds`; the latency of each event
 //!   from the moment its write was sent (stamped into the object) to its arrival at each
 //!   watcher;
+//! - `rewrite`: one `--rewrite-results`-result report per namespace replaced at
+//!   `--rewrite-rate` per second, one result changed each time: the database work per update
+//!   (WAL and rows touched on PostgreSQL, bytes written on SQLite) against the report's size;
 //! - `rss` (in-process server only): `--rss-reports` reports loaded in bulk through the store,
 //!   then the process's resident memory (`VmRSS`, peak `VmHWM` from `/proc/self/status`) idle
 //!   and after a full paginated list.
@@ -33,6 +36,7 @@
 mod figures;
 mod load;
 mod reads;
+mod rewrite;
 mod rss;
 mod watch_latency;
 
@@ -59,7 +63,7 @@ use serde_json::json;
 use watch_latency::{latency_namespace, watch_latency};
 
 /// Every phase, in the order they run.
-const PHASES: [&str; 10] = [
+const PHASES: [&str; 11] = [
     "create",
     "update",
     "list",
@@ -69,13 +73,14 @@ const PHASES: [&str; 10] = [
     "kubectl-get",
     "watcher-sync",
     "watch-latency",
+    "rewrite",
     "rss",
 ];
 
 #[derive(Args)]
 pub struct BenchArgs {
     /// Phases to run, comma-separated: create, update, list, raw-list, database-read,
-    /// metadata-list, kubectl-get, watcher-sync, watch-latency, rss, or all.
+    /// metadata-list, kubectl-get, watcher-sync, watch-latency, rewrite, rss, or all.
     #[arg(
         long,
         env = "REPORTS_SERVER_BENCH_PHASES",
@@ -124,6 +129,30 @@ pub struct BenchArgs {
     /// ones: the fan-out then costs what it costs in a cluster.
     #[arg(long, env = "REPORTS_SERVER_BENCH_LATENCY_FULL_REPORTS")]
     latency_full_reports: bool,
+    /// Reports rewritten, one per namespace (phase rewrite).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_BENCH_REWRITE_REPORTS",
+        default_value_t = 10
+    )]
+    rewrite_reports: usize,
+    /// Results of each rewritten report (phase rewrite).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_BENCH_REWRITE_RESULTS",
+        default_value_t = 1_000
+    )]
+    rewrite_results: usize,
+    /// Updates per second of the rewritten reports, in all (phase rewrite).
+    #[arg(long, env = "REPORTS_SERVER_BENCH_REWRITE_RATE", default_value_t = 50)]
+    rewrite_rate: u32,
+    /// How long the updates run, in seconds (phase rewrite).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_BENCH_REWRITE_SECONDS",
+        default_value_t = 20
+    )]
+    rewrite_seconds: u64,
     /// Reports loaded before measuring memory (phase rss).
     #[arg(
         long,
@@ -376,6 +405,7 @@ impl Run<'_> {
                 }
                 Ok(())
             }
+            "rewrite" => rewrite::rewrite(args, &self.client, self.server, &mut self.figures).await,
             "rss" => {
                 let s = self
                     .server

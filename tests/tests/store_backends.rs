@@ -1102,46 +1102,49 @@ async fn report_results(db: &impl sea_orm::ConnectionTrait) -> Vec<String> {
         ))
         .await
         .unwrap();
-    let text = |r: &sea_orm::QueryResult, c: &str| -> String {
+    let columns = [
+        &["cluster_id", "resource", "namespace"][..],
+        &RESULT_COLUMNS[..],
+    ]
+    .concat();
+    rows.iter().map(|r| result_text(r, &columns)).collect()
+}
+
+/// The `report_results` columns a test compares, but the report's cluster, kind and namespace.
+const RESULT_COLUMNS: [&str; 14] = [
+    "report_name",
+    "source",
+    "policy",
+    "rule",
+    "result",
+    "severity",
+    "category",
+    "subject_api_version",
+    "subject_kind",
+    "subject_namespace",
+    "subject_name",
+    "subject_uid",
+    "message",
+    "properties",
+];
+
+/// A `report_results` row as text: `columns`, then `scored` and `timestamp`.
+fn result_text(r: &sea_orm::QueryResult, columns: &[&str]) -> String {
+    let text = |c: &str| -> String {
         r.try_get::<Option<String>>("", c)
             .unwrap()
             .unwrap_or_else(|| "∅".into())
     };
-    rows.iter()
-        .map(|r| {
-            let mut fields: Vec<String> = [
-                "cluster_id",
-                "resource",
-                "namespace",
-                "report_name",
-                "source",
-                "policy",
-                "rule",
-                "result",
-                "severity",
-                "category",
-                "subject_api_version",
-                "subject_kind",
-                "subject_namespace",
-                "subject_name",
-                "subject_uid",
-                "message",
-                "properties",
-            ]
-            .iter()
-            .map(|c| text(r, c))
-            .collect();
-            fields.push(format!(
-                "{:?}",
-                r.try_get::<Option<bool>>("", "scored").unwrap()
-            ));
-            fields.push(format!(
-                "{:?}",
-                r.try_get::<Option<i64>>("", "timestamp").unwrap()
-            ));
-            fields.join("|")
-        })
-        .collect()
+    let mut fields: Vec<String> = columns.iter().map(|c| text(c)).collect();
+    fields.push(format!(
+        "{:?}",
+        r.try_get::<Option<bool>>("", "scored").unwrap()
+    ));
+    fields.push(format!(
+        "{:?}",
+        r.try_get::<Option<i64>>("", "timestamp").unwrap()
+    ));
+    fields.join("|")
 }
 
 /// The compression method of `objects.body` and `changes.body` on PostgreSQL (`pg_attribute`:
@@ -1348,5 +1351,147 @@ async fn sessions_end_when_idle_inside_a_transaction() {
         let rows = store.query_raw(sql).await.unwrap();
         let got: String = rows[0].try_get_by_index(0).unwrap();
         assert_eq!(got, want, "{backend:?}");
+    }
+}
+
+/// A small deterministic generator (no dependency, the same sequence on every run).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 33) as usize) % n.max(1)
+    }
+}
+
+/// One step of [`an_update_leaves_the_result_rows_a_create_of_the_same_report_writes`]: the
+/// next version of `report`'s results and labels, changed in one of the ways producers change
+/// them.
+fn next_version(report: &mut Value, step: u64, rng: &mut Lcg) {
+    let fresh = |n: u64| {
+        let r = pss_policy_report(&Subject::pod("diff", n), 1_700_000_000 + n as i64, &[0]);
+        serde_json::to_value(&r.results.unwrap()[(n % 19) as usize]).unwrap()
+    };
+    let results = report["results"].as_array_mut().unwrap();
+    let len = results.len();
+    match rng.below(9) {
+        // One result changes outcome and message.
+        0 if len > 0 => {
+            let r = &mut results[rng.below(len)];
+            r["result"] = json!(if r["result"] == "fail" {
+                "pass"
+            } else {
+                "fail"
+            });
+            r["message"] = json!(format!("changed at step {step}"));
+        }
+        1 if len > 0 => {
+            results.remove(rng.below(len));
+        }
+        // A duplicate: equal rows are a multiset, not a set.
+        2 if len > 0 => {
+            let copy = results[rng.below(len)].clone();
+            results.insert(rng.below(len + 1), copy);
+        }
+        // Rotation, as a ring of the newest events.
+        3 if len > 0 => {
+            results.remove(0);
+            results.push(fresh(100 + step));
+        }
+        4 => results.reverse(),
+        5 => {
+            for r in results.iter_mut() {
+                r["timestamp"]["seconds"] = json!(1_800_000_000 + step);
+            }
+        }
+        6 => results.clear(),
+        7 => {
+            report["metadata"]["labels"]["step"] = json!(format!("s{}", step % 3));
+        }
+        // A result about a subject of its own (not the report's scope), or new results.
+        _ => {
+            if len > 0 {
+                let r = &mut results[rng.below(len)];
+                r["resources"] = json!([{"apiVersion": "v1", "kind": "Pod",
+                    "namespace": "diff", "name": format!("other-{step}"), "uid": format!("u-{step}")}]);
+            }
+            for n in 0..rng.below(4) as u64 {
+                results.push(fresh(step * 10 + n));
+            }
+        }
+    }
+}
+
+/// `report_results` rows of namespace `ns`, as text without the namespace, sorted.
+async fn results_in(store: &Store, ns: &str) -> Vec<String> {
+    let rows = store
+        .query_raw(&format!(
+            "SELECT * FROM report_results WHERE namespace = '{ns}'"
+        ))
+        .await
+        .unwrap();
+    let mut out: Vec<String> = rows
+        .iter()
+        .map(|r| result_text(r, &RESULT_COLUMNS))
+        .collect();
+    out.sort();
+    out
+}
+
+/// Updates diff a report's result rows against the stored ones instead of rewriting them
+/// (`store::result_diff`): after any sequence of updates — results changed, removed,
+/// duplicated, rotated, reordered, emptied, given subjects of their own, labels changed — in
+/// rounds of one write and in bulk rounds, `report_results` holds exactly the rows a create
+/// of the same report writes, and each report's slots stay unique.
+#[tokio::test]
+async fn an_update_leaves_the_result_rows_a_create_of_the_same_report_writes() {
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(backend, dir.path()).await;
+        let mut rng = Lcg(37);
+        let mut updated = report("diff", 1, &[("step", "s0")]);
+        updated["metadata"]["namespace"] = json!("updated");
+        put(&store, "updated", "r-00001", updated.clone()).await;
+        for step in 0..60 {
+            next_version(&mut updated, step, &mut rng);
+            // Alone in its round (SQLite updates the row in place), or in a bulk round with
+            // another report (SQLite stages it; PostgreSQL stages every round).
+            if step % 2 == 0 {
+                put(&store, "updated", "r-00001", updated.clone()).await;
+            } else {
+                let mut other = report("bulk", step, &[]);
+                other["metadata"]["namespace"] = json!("bulk");
+                store
+                    .put_all(&POLICY_REPORT, vec![updated.clone(), other])
+                    .await
+                    .unwrap();
+            }
+            let mut created = updated.clone();
+            created["metadata"]["namespace"] = json!("created");
+            store
+                .mutate::<StoreError, _>(&POLICY_REPORT, "created", "r-00001", false, |_| {
+                    Ok(Mutation::Delete)
+                })
+                .await
+                .unwrap();
+            put(&store, "created", "r-00001", created).await;
+            assert_eq!(
+                results_in(&store, "updated").await,
+                results_in(&store, "created").await,
+                "{backend:?}: step {step}, {} results",
+                updated["results"].as_array().unwrap().len()
+            );
+        }
+        let slots = store
+            .query_raw(
+                "SELECT COUNT(*) AS n FROM (SELECT object_id, ordinal FROM results \
+                 GROUP BY object_id, ordinal HAVING COUNT(*) > 1) d",
+            )
+            .await
+            .unwrap();
+        assert_eq!(slots[0].try_get::<i64>("", "n").unwrap(), 0, "{backend:?}");
     }
 }

@@ -151,6 +151,11 @@ impl ResultSubject {
     }
 }
 
+/// Whether reports of `desc` get analytics rows (see [`result_rows`]).
+pub fn has_result_rows(desc: &ResourceDescriptor) -> bool {
+    matches!(desc.layout, ReportLayout::TopLevel)
+}
+
 /// The entries of a report's `results` that get analytics rows. Intermediate (ephemeral)
 /// reports get none: they are short-lived inputs of the aggregator, not results anyone
 /// queries.

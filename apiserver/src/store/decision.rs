@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use super::feed::EventType;
 use super::prepared::{Prepared, RowParts};
+use super::result_diff::ResultColumns;
 
 /// A target's stored row as a writer read it.
 pub(super) struct Seen {
@@ -57,6 +58,9 @@ pub struct Target<'a> {
 pub(super) struct Current {
     pub(super) id: i64,
     pub(super) rv: i64,
+    /// The object's `results` rows with their slots, read by the round when it replaces the
+    /// object (empty otherwise): what the replacement's rows are diffed against.
+    pub(super) stored_results: Vec<(i32, ResultColumns)>,
 }
 
 /// A writer's decision on one target, with the current object it was made on.

@@ -36,13 +36,14 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, Transact
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::columns::{RuleKey, result_rules};
+use super::columns::{RuleKey, has_result_rows, result_rules};
 use super::decision::Seen;
 use super::decision::{Applied, Current, Decided, Mutation, Target, WriteOutcome};
 use super::feed::{Change, EventType};
 use super::policy_rules::RoundRules;
 use super::schema::Objects;
-use super::write::{StagedWrites, lock_counter, now_unix};
+use super::staged::StagedWrites;
+use super::write::{lock_counter, now_unix};
 use super::{Store, StoreError};
 
 /// Keys per current-row SELECT: bind parameters stay far below every backend's limit.
@@ -613,6 +614,7 @@ impl Store {
                 Mutation::Unchanged => false,
             })
             .count();
+        self.read_stored_results(txn, accepted).await?;
         let mut staged = self.stages(writes).then(StagedWrites::default);
         for writer in accepted.iter_mut() {
             let mut applied = Vec::with_capacity(writer.targets.len());
@@ -643,6 +645,37 @@ impl Store {
             None => {}
         }
         Ok((all, rv))
+    }
+
+    /// Reads the result rows of every report the round replaces into its [`Current`], for the
+    /// replacement's rows to be diffed against (`store::result_diff`).
+    async fn read_stored_results(
+        &self,
+        txn: &DatabaseTransaction,
+        accepted: &mut [Accepted],
+    ) -> Result<(), StoreError> {
+        let ids: Vec<i64> = accepted
+            .iter()
+            .flat_map(|w| w.targets.iter().zip(&w.currents).zip(&w.decided))
+            .filter_map(
+                |((target, current), decided)| match (&decided.mutation, current) {
+                    (Mutation::Put(_), Some(current)) if has_result_rows(target.resource) => {
+                        Some(current.id)
+                    }
+                    _ => None,
+                },
+            )
+            .collect();
+        let mut stored = self.result_rows_of(txn, &ids).await?;
+        for current in accepted
+            .iter_mut()
+            .flat_map(|w| w.currents.iter_mut().flatten())
+        {
+            if let Some(rows) = stored.remove(&current.id) {
+                current.stored_results = rows;
+            }
+        }
+        Ok(())
     }
 
     /// After a failed round: the writer's decided mutations in a transaction of their own, if
@@ -692,7 +725,13 @@ impl Store {
             .map(|group| {
                 group
                     .into_iter()
-                    .map(|r| r.map(|r| Current { id: r.id, rv: r.rv }))
+                    .map(|r| {
+                        r.map(|r| Current {
+                            id: r.id,
+                            rv: r.rv,
+                            stored_results: Vec::new(),
+                        })
+                    })
                     .collect()
             })
             .collect();

@@ -14,6 +14,7 @@
 //! same transaction. Watches replay it from any retained rv; older requests get 410 Expired.
 //! Retention is bounded by age and count (see [`StoreOptions`]).
 
+mod activity;
 mod body;
 mod change_log;
 mod cluster_identity;
@@ -31,8 +32,10 @@ mod policy_rules;
 mod pool_metrics;
 mod prepared;
 mod read;
+mod result_diff;
 pub mod ring;
 pub mod schema;
+mod staged;
 mod statements;
 pub mod statistics;
 mod write;
@@ -48,6 +51,7 @@ use sea_orm_migration::MigratorTrait;
 use serde_json::Value;
 use tracing::Instrument;
 
+pub use activity::{RowCounts, WriteActivity};
 pub use decision::{Mutation, WriteOutcome};
 pub use feed::{Change, ChangeFeed, EventType};
 pub use migration::m20261123_000003_nonzero_resource_version::FIRST_RESOURCE_VERSION;

@@ -73,7 +73,8 @@ pub enum Results {
     Table,
     /// The report's `objects.id`: cluster, resource, namespace and name come from there.
     ObjectId,
-    /// Position in the report's `results`.
+    /// The row's slot in its report: its position in `results` when the report was created;
+    /// an update keeps the slots of unchanged results (see `store::result_diff`).
     Ordinal,
     /// `policy_rules.id`: source, policy, rule, category, severity and scored.
     RuleId,

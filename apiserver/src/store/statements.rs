@@ -3,14 +3,16 @@
 //! expressions, and the driver's unique violation as `AlreadyExists`. Chunk sizes keep every
 //! statement far below each backend's bind-parameter limit.
 
+use std::collections::BTreeMap;
+
 use sea_orm::sea_query::{
-    ColumnRef, CommonTableExpression, DeleteStatement, Expr, ExprTrait, InsertStatement,
+    ColumnRef, CommonTableExpression, Condition, DeleteStatement, Expr, ExprTrait, InsertStatement,
     IntoColumnRef, OnConflict, Query, TableRef,
 };
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
 use super::StoreError;
-use super::columns::ResultRow;
+use super::result_diff::ResultColumns;
 use super::schema::{Changes, ObjectLabels, Objects, Results};
 
 /// Result rows per INSERT: far below every backend's bind-parameter limit (SQLite 32766,
@@ -74,31 +76,48 @@ pub(super) fn delete_in(
 pub(super) fn objects_head() -> InsertStatement {
     Query::insert()
         .into_table(Objects::Table)
-        .columns([
-            Objects::ClusterId,
-            Objects::Resource,
-            Objects::Namespace,
-            Objects::Name,
-            Objects::Uid,
-            Objects::ResourceVersion,
-            Objects::Generation,
-            Objects::CreatedAt,
-            Objects::DeletedAt,
-            Objects::OwnerUids,
-            Objects::SummaryPass,
-            Objects::SummaryFail,
-            Objects::SummaryWarn,
-            Objects::SummaryError,
-            Objects::SummarySkip,
-            Objects::ScopeKind,
-            Objects::ScopeNamespace,
-            Objects::ScopeName,
-            Objects::ScopeUid,
-            Objects::Metadata,
-            Objects::Body,
-        ])
+        .columns(OBJECT_COLUMNS)
         .to_owned()
 }
+
+/// `INSERT INTO objects (id, …)`: a replaced object's row again under its id, which its side
+/// rows keep referring to.
+pub(super) fn objects_with_id_head() -> InsertStatement {
+    Query::insert()
+        .into_table(Objects::Table)
+        .columns(std::iter::once(Objects::Id).chain(OBJECT_COLUMNS))
+        .to_owned()
+}
+
+/// The columns of an `objects` row but its id, in [`Store::object_values`]' order: first the
+/// [`UNIQUE_KEY_COLUMNS`] of its unique key.
+pub(super) const OBJECT_COLUMNS: [Objects; 21] = [
+    Objects::ClusterId,
+    Objects::Resource,
+    Objects::Namespace,
+    Objects::Name,
+    Objects::Uid,
+    Objects::ResourceVersion,
+    Objects::Generation,
+    Objects::CreatedAt,
+    Objects::DeletedAt,
+    Objects::OwnerUids,
+    Objects::SummaryPass,
+    Objects::SummaryFail,
+    Objects::SummaryWarn,
+    Objects::SummaryError,
+    Objects::SummarySkip,
+    Objects::ScopeKind,
+    Objects::ScopeNamespace,
+    Objects::ScopeName,
+    Objects::ScopeUid,
+    Objects::Metadata,
+    Objects::Body,
+];
+
+/// How many of [`OBJECT_COLUMNS`] make the object's unique key (cluster, resource, namespace,
+/// name).
+pub(super) const UNIQUE_KEY_COLUMNS: usize = 4;
 
 pub(super) fn labels_head() -> InsertStatement {
     Query::insert()
@@ -111,69 +130,65 @@ pub(super) fn labels_head() -> InsertStatement {
         .to_owned()
 }
 
-/// `INSERT INTO results (…)`; [`result_values`] gives the rows.
+/// The columns of a `results` row, in [`ResultColumns::values`]' order.
+pub(super) const RESULT_COLUMNS: [Results; 13] = [
+    Results::ObjectId,
+    Results::Ordinal,
+    Results::RuleId,
+    Results::Result,
+    Results::OwnSubject,
+    Results::SubjectApiVersion,
+    Results::SubjectKind,
+    Results::SubjectNamespace,
+    Results::SubjectName,
+    Results::SubjectUid,
+    Results::Timestamp,
+    Results::Message,
+    Results::Properties,
+];
+
+/// `INSERT INTO results (…)`; [`slot_values`] gives the rows.
 pub(super) fn results_head() -> InsertStatement {
     Query::insert()
         .into_table(Results::Table)
-        .columns([
-            Results::ObjectId,
-            Results::Ordinal,
-            Results::RuleId,
-            Results::Result,
-            Results::OwnSubject,
-            Results::SubjectApiVersion,
-            Results::SubjectKind,
-            Results::SubjectNamespace,
-            Results::SubjectName,
-            Results::SubjectUid,
-            Results::Timestamp,
-            Results::Message,
-            Results::Properties,
-        ])
+        .columns(RESULT_COLUMNS)
         .to_owned()
 }
 
-/// The `results` rows of an object (`id`: its id or an expression giving it), in
-/// [`results_head`]'s column order; `rule_ids` holds each row's rule id.
-pub(super) fn result_values<'a>(
-    id: &'a Expr,
-    rows: Vec<ResultRow>,
-    rule_ids: &'a [i64],
-) -> impl Iterator<Item = [Expr; 13]> + 'a {
+/// The `results` rows of report `id` (its id or an expression giving it) at their slots, in
+/// [`results_head`]'s column order.
+pub(super) fn slot_values(
+    id: &Expr,
+    rows: Vec<(i32, ResultColumns)>,
+) -> impl Iterator<Item = [Expr; 13]> + '_ {
     rows.into_iter()
-        .zip(rule_ids)
-        .enumerate()
-        .map(move |(ordinal, (r, rule_id))| {
-            let own_subject = r.subject.is_some();
-            let (kind, namespace, name, uid) = match r.subject {
-                Some(s) => (s.kind, s.namespace, s.name, s.uid),
-                None => (None, None, None, None),
-            };
-            [
-                id.clone(),
-                (ordinal as i32).into(),
-                (*rule_id).into(),
-                r.result.into(),
-                own_subject.into(),
-                r.subject_api_version.into(),
-                kind.into(),
-                namespace.into(),
-                name.into(),
-                uid.into(),
-                r.timestamp.into(),
-                r.message.into(),
-                r.properties.into(),
-            ]
-        })
+        .map(move |(slot, row)| row.values(id, slot))
 }
 
-/// The object's result rows, [`RESULT_ROWS_PER_STATEMENT`] per statement.
-pub(super) fn results_inserts(
-    id: &Expr,
-    rows: Vec<ResultRow>,
-    rule_ids: &[i64],
-) -> Vec<InsertStatement> {
-    multi_row_inserts(results_head, result_values(id, rows, rule_ids))
+/// `DELETE FROM results` of the `(object_id, ordinal)` slots, [`KEYS_PER_STATEMENT`] slots per
+/// statement, each report's slots as one `IN` list.
+pub(super) fn delete_slots(slots: &[(i64, i32)]) -> Vec<DeleteStatement> {
+    slots
+        .chunks(KEYS_PER_STATEMENT)
+        .map(|chunk| {
+            let mut by_report: BTreeMap<i64, Vec<i32>> = BTreeMap::new();
+            for (id, slot) in chunk {
+                by_report.entry(*id).or_default().push(*slot);
+            }
+            let mut any = Condition::any();
+            for (id, slots) in by_report {
+                any = any.add(
+                    Condition::all()
+                        .add(Expr::col(Results::ObjectId).eq(id))
+                        .add(Expr::col(Results::Ordinal).is_in(slots)),
+                );
+            }
+            Query::delete()
+                .from_table(Results::Table)
+                .cond_where(any)
+                .to_owned()
+        })
+        .collect()
 }
 
 /// `rows` as INSERTs made by `head`, [`RESULT_ROWS_PER_STATEMENT`] rows per statement.

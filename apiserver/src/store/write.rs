@@ -8,25 +8,24 @@
 //! The types a round speaks are `decision`'s, its statements `statements`', and the one-body-copy
 //! rule of the change log is `change_log`'s.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use sea_orm::sea_query::{
-    Expr, ExprTrait, Func, InsertStatement, Query, UpdateStatement, WithQuery,
-};
+use sea_orm::sea_query::{Expr, ExprTrait, Func, InsertStatement, Query, UpdateStatement};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
 use serde_json::Value;
 
 use super::change_log::{BODY_IN_OBJECTS, object_row_of_change};
-use super::columns::{ObjectColumns, ResultRow};
+use super::columns::{ObjectColumns, labels_of};
 use super::decision::{Applied, Current, Decided, Target, Versioned, version};
 use super::feed::{EventType, NOTIFY_CHANNEL};
 use super::policy_rules::RoundRules;
 use super::prepared::RowParts;
+use super::result_diff::{ResultColumns, ResultDiff, all_new, columns_of, diff};
 use super::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
 use super::statements::{
-    KEYS_PER_STATEMENT, changes_head, cte, delete_in, delete_where_in, insert_in_chunks,
-    labels_head, multi_row_inserts, objects_head, one_change, result_values, results_head,
-    results_inserts, unique_to_exists,
+    KEYS_PER_STATEMENT, OBJECT_COLUMNS, RESULT_COLUMNS, UNIQUE_KEY_COLUMNS, delete_slots,
+    delete_where_in, labels_head, multi_row_inserts, objects_head, one_change, results_head,
+    slot_values, unique_to_exists,
 };
 use super::{Store, StoreError};
 
@@ -76,7 +75,9 @@ impl Store {
                 match replaces {
                     Some(current) => {
                         self.retire_bodies(txn, &[current.rv]).await?;
-                        self.update_row(txn, current.id, parts, *rv, rules).await?;
+                        let row = (key, target, current);
+                        self.update_row(txn, row, previous, parts, *rv, rules)
+                            .await?;
                         txn.execute(&change).await?;
                     }
                     None => {
@@ -114,7 +115,7 @@ impl Store {
     /// The UPDATE that moves the counter to `rv`. On PostgreSQL the wake-up for other replicas
     /// rides on it (NOTIFY is delivered at commit, like the statement itself), so it returns
     /// a row.
-    fn counter_advance(&self, rv: i64) -> UpdateStatement {
+    pub(super) fn counter_advance(&self, rv: i64) -> UpdateStatement {
         let mut advance = Query::update();
         advance
             .table(StoreState::Table)
@@ -135,7 +136,7 @@ impl Store {
     /// body from the `objects` rows, get the bodies themselves (entries still retained only).
     /// The bodies are copied inside the database, from the rows about to change, so they do not
     /// travel back over the connection; this must run before those rows are updated or deleted.
-    async fn retire_bodies(
+    pub(super) async fn retire_bodies(
         &self,
         txn: &DatabaseTransaction,
         rvs: &[i64],
@@ -147,7 +148,7 @@ impl Store {
     }
 
     /// The UPDATE of [`Store::retire_bodies`] for the versions `rvs`.
-    fn retirement(&self, rvs: &[i64]) -> UpdateStatement {
+    pub(super) fn retirement(&self, rvs: &[i64]) -> UpdateStatement {
         let body_of_row = Query::select()
             .column((Objects::Table, Objects::Body))
             .from(Objects::Table)
@@ -199,17 +200,20 @@ impl Store {
             })?
             .try_get("", "id")?
         };
-        self.write_side_rows(txn, &Expr::val(id), &cols, results, &rule_ids)
+        let results = all_new(columns_of(results, &rule_ids));
+        self.write_side_rows(txn, &Expr::val(id), &cols.labels, results)
             .await?;
         txn.execute(&change).await.map_err(StoreError::from)?;
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Updates the object's row in place and its side rows by what changed (see
+    /// [`SideChanges`]).
     async fn update_row(
         &self,
         txn: &DatabaseTransaction,
-        id: i64,
+        (key, target, current): (&str, &Target<'_>, &Current),
+        previous: Option<&Value>,
         parts: RowParts,
         rv: i64,
         rules: &RoundRules,
@@ -220,40 +224,82 @@ impl Store {
             results,
             rule_ids: known,
         } = parts;
-        txn.execute(
-            &Query::update()
-                .table(Objects::Table)
-                .values([
-                    (Objects::Uid, cols.uid.clone().into()),
-                    (Objects::ResourceVersion, rv.into()),
-                    (Objects::Generation, cols.generation.into()),
-                    (Objects::CreatedAt, cols.created_at.into()),
-                    (Objects::DeletedAt, cols.deleted_at.into()),
-                    (Objects::OwnerUids, cols.owner_uids.clone().into()),
-                    (Objects::SummaryPass, cols.summary[0].into()),
-                    (Objects::SummaryFail, cols.summary[1].into()),
-                    (Objects::SummaryWarn, cols.summary[2].into()),
-                    (Objects::SummaryError, cols.summary[3].into()),
-                    (Objects::SummarySkip, cols.summary[4].into()),
-                    (Objects::ScopeKind, cols.scope_kind.clone().into()),
-                    (Objects::ScopeNamespace, cols.scope_namespace.clone().into()),
-                    (Objects::ScopeName, cols.scope_name.clone().into()),
-                    (Objects::ScopeUid, cols.scope_uid.clone().into()),
-                    (Objects::Metadata, cols.metadata.clone().into()),
-                    (Objects::Body, self.bodies().encode(body).into()),
-                ])
-                .and_where(Expr::col(Objects::Id).eq(id))
-                .to_owned(),
-        )
-        .await?;
-        self.delete_side_rows(txn, &[id]).await?;
         let rule_ids = rules.ids_of(&results, &known)?;
-        self.write_side_rows(txn, &Expr::val(id), &cols, results, &rule_ids)
-            .await
+        let values = self.object_values(key, target, &cols, body, rv);
+        let mut update = Query::update();
+        update
+            .table(Objects::Table)
+            .and_where(Expr::col(Objects::Id).eq(current.id));
+        // The key columns stay as they are.
+        for (column, value) in OBJECT_COLUMNS
+            .into_iter()
+            .zip(values)
+            .skip(UNIQUE_KEY_COLUMNS)
+        {
+            update.value(column, value);
+        }
+        txn.execute(&update).await?;
+        let changes = SideChanges::of(
+            current,
+            previous,
+            cols.labels,
+            columns_of(results, &rule_ids),
+        );
+        let id = Expr::val(current.id);
+        if let Some(labels) = &changes.labels {
+            delete_where_in(
+                txn,
+                ObjectLabels::Table,
+                ObjectLabels::ObjectId,
+                &[current.id],
+            )
+            .await?;
+            if let Some(insert) = self.labels_insert(&id, labels) {
+                txn.execute(&insert).await?;
+            }
+        }
+        let slots: Vec<(i64, i32)> = changes
+            .results
+            .removed
+            .iter()
+            .map(|s| (current.id, *s))
+            .collect();
+        for delete in delete_slots(&slots) {
+            txn.execute(&delete).await?;
+        }
+        for insert in multi_row_inserts(results_head, slot_values(&id, changes.results.added)) {
+            txn.execute(&insert).await?;
+        }
+        Ok(())
+    }
+
+    /// The stored result rows of the reports `ids`, with their slots, by report.
+    pub(super) async fn result_rows_of(
+        &self,
+        txn: &DatabaseTransaction,
+        ids: &[i64],
+    ) -> Result<HashMap<i64, Vec<(i32, ResultColumns)>>, StoreError> {
+        let mut by_report: HashMap<i64, Vec<(i32, ResultColumns)>> = HashMap::new();
+        for chunk in ids.chunks(KEYS_PER_STATEMENT) {
+            let select = Query::select()
+                .columns(RESULT_COLUMNS)
+                .from(Results::Table)
+                .and_where(Expr::col(Results::ObjectId).is_in(chunk.iter().copied()))
+                .to_owned();
+            for row in txn.query_all(&select).await? {
+                let (id, slot, columns) = ResultColumns::read(&row)?;
+                by_report.entry(id).or_default().push((slot, columns));
+            }
+        }
+        Ok(by_report)
     }
 
     /// Deletes the `objects` rows `ids` with their labels and result rows.
-    async fn delete_rows(&self, txn: &DatabaseTransaction, ids: &[i64]) -> Result<(), StoreError> {
+    pub(super) async fn delete_rows(
+        &self,
+        txn: &DatabaseTransaction,
+        ids: &[i64],
+    ) -> Result<(), StoreError> {
         delete_where_in(txn, Objects::Table, Objects::Id, ids).await?;
         self.delete_side_rows(txn, ids).await
     }
@@ -272,14 +318,13 @@ impl Store {
         &self,
         txn: &DatabaseTransaction,
         id: &Expr,
-        cols: &ObjectColumns,
-        results: Vec<ResultRow>,
-        rule_ids: &[i64],
+        labels: &BTreeMap<String, String>,
+        results: Vec<(i32, ResultColumns)>,
     ) -> Result<(), StoreError> {
         for insert in self
-            .labels_insert(id, cols)
+            .labels_insert(id, labels)
             .into_iter()
-            .chain(results_inserts(id, results, rule_ids))
+            .chain(multi_row_inserts(results_head, slot_values(id, results)))
         {
             txn.execute(&insert).await?;
         }
@@ -287,19 +332,23 @@ impl Store {
     }
 
     /// The object's label rows; `id` is its id or an expression giving it.
-    fn labels_insert(&self, id: &Expr, cols: &ObjectColumns) -> Option<InsertStatement> {
-        if cols.labels.is_empty() {
+    fn labels_insert(
+        &self,
+        id: &Expr,
+        labels: &BTreeMap<String, String>,
+    ) -> Option<InsertStatement> {
+        if labels.is_empty() {
             return None;
         }
         let mut insert = labels_head();
-        for (k, v) in &cols.labels {
+        for (k, v) in labels {
             insert.values_panic([id.clone(), k.clone().into(), v.clone().into()]);
         }
         Some(insert)
     }
 
     /// The values of an `objects` row, in [`objects_head`]'s column order.
-    fn object_values(
+    pub(super) fn object_values(
         &self,
         key: &str,
         t: &Target<'_>,
@@ -335,7 +384,7 @@ impl Store {
     /// The change-log row of the deletion of `object` at version `rv` (which the object
     /// already carries). The `objects` row is gone, so the entry keeps the last state itself,
     /// and its labels are the previous ones too.
-    fn deletion_change(
+    pub(super) fn deletion_change(
         &self,
         key: &str,
         t: &Target<'_>,
@@ -358,7 +407,7 @@ impl Store {
 
     /// The values of a `changes` row, in [`changes_head`]'s column order.
     #[allow(clippy::too_many_arguments)]
-    fn change_values(
+    pub(super) fn change_values(
         &self,
         key: &str,
         t: &Target<'_>,
@@ -394,270 +443,28 @@ impl Store {
     }
 }
 
-/// The writes of one group commit round, applied after its other writes with multi-row
-/// statements: a handful of round trips for all of them instead of several per write (creates
-/// are the commonest write, Kyverno's ephemeral reports; the aggregator updates and deletes in
-/// bulk). A replaced object is deleted and inserted again (a new row id, which nothing outside
-/// the store's own side rows refers to); the row's key and version find the change log.
-#[derive(Default)]
-pub(super) struct StagedWrites {
-    /// Rows to delete (deleted objects, and the old rows of replaced ones).
-    removed: Vec<RemovedRow>,
-    rows: Vec<[Expr; 21]>,
-    sides: Vec<NewObjectSides>,
-    changes: Vec<[Expr; 10]>,
+/// What replacing an object changes in its side rows: its labels when they differ from the
+/// stored ones (the few rows are rewritten then), and its result rows by
+/// [`result_diff`](super::result_diff).
+pub(super) struct SideChanges {
+    pub(super) labels: Option<BTreeMap<String, String>>,
+    pub(super) results: ResultDiff,
 }
 
-/// A row a round deletes, with the version it holds: that version's change-log entry takes the
-/// row's body ([`Store::retire_bodies`]).
-struct RemovedRow {
-    id: i64,
-    rv: i64,
-}
-
-/// The ids and versions of `rows`.
-fn ids_and_versions(rows: &[RemovedRow]) -> (Vec<i64>, Vec<i64>) {
-    rows.iter().map(|r| (r.id, r.rv)).unzip()
-}
-
-/// What a new object's side rows need once its id is known.
-struct NewObjectSides {
-    key: String,
-    namespace: String,
-    name: String,
-    labels: std::collections::BTreeMap<String, String>,
-    results: Vec<ResultRow>,
-    rule_ids: Vec<i64>,
-}
-
-impl StagedWrites {
-    pub(super) fn is_empty(&self) -> bool {
-        self.changes.is_empty()
-    }
-
-    /// The bind parameters of a round's label, result and change-log rows and the counter's
-    /// UPDATE: what PostgreSQL folds into one statement.
-    fn side_parameters(&self) -> usize {
-        let sides: usize = self
-            .sides
-            .iter()
-            .map(|s| s.labels.len() * 3 + s.results.len() * 13)
-            .sum();
-        self.changes.len() * 10 + sides + 4
-    }
-}
-
-impl NewObjectSides {
-    /// The object's label and result rows, given its id.
-    fn rows_into(self, id: &Expr, labels: &mut Vec<[Expr; 3]>, results: &mut Vec<[Expr; 13]>) {
-        for (k, v) in self.labels {
-            labels.push([id.clone(), k.into(), v.into()]);
+impl SideChanges {
+    /// From the stored object `current` (whose last state is `previous`) to one with `labels`
+    /// and result rows `results`.
+    pub(super) fn of(
+        current: &Current,
+        previous: Option<&Value>,
+        labels: BTreeMap<String, String>,
+        results: Vec<ResultColumns>,
+    ) -> Self {
+        let unchanged = previous.is_some_and(|p| labels_of(p) == labels);
+        SideChanges {
+            labels: (!unchanged).then_some(labels),
+            results: diff(&current.stored_results, results),
         }
-        results.extend(result_values(id, self.results, &self.rule_ids));
-    }
-}
-
-/// Rows per multi-row INSERT of new objects (21 bind parameters each).
-const OBJECTS_PER_STATEMENT: usize = 500;
-
-/// The most bind parameters PostgreSQL folds into one statement (the protocol allows 65,535):
-/// a round's label, result and change-log rows of about a hundred reports of the usual size
-/// (19 results, ~270 parameters), so the rounds of Kyverno's and the API's writes fold and the
-/// aggregator's bulk rounds are written table by table.
-const PARAMETERS_PER_FOLDED_STATEMENT: usize = 30_000;
-
-impl Store {
-    /// Whether a round writes `writes` mutations through [`StagedWrites`]. PostgreSQL always
-    /// does (it folds them into one or two statements); SQLite from two writes on (one write
-    /// alone is no cheaper staged, and an update keeps its row); MySQL never (it has no
-    /// `INSERT … RETURNING`).
-    pub(super) fn stages(&self, writes: usize) -> bool {
-        match self.backend() {
-            DbBackend::Postgres => writes > 0,
-            DbBackend::MySql => false,
-            _ => writes > 1,
-        }
-    }
-
-    /// [`Store::apply_one`] for a staged round: the same versions, events and JSON, with the
-    /// statements left to [`Store::write_staged`].
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn stage(
-        &self,
-        staged: &mut StagedWrites,
-        key: &str,
-        target: &Target<'_>,
-        current: Option<&Current>,
-        decided: &mut Decided,
-        rv: &mut i64,
-        base_rv: i64,
-        now: i64,
-        rules: &RoundRules,
-    ) -> Result<Applied, StoreError> {
-        Ok(match version(target, current, decided, rv, base_rv) {
-            Versioned::Nothing(applied) => applied,
-            Versioned::Put {
-                event,
-                parts,
-                object,
-                previous,
-                replaces,
-            } => {
-                let applied = Applied::put(event, *rv, &parts);
-                if let Some(current) = replaces {
-                    staged.removed.push(RemovedRow {
-                        id: current.id,
-                        rv: current.rv,
-                    });
-                }
-                let RowParts {
-                    body,
-                    columns: cols,
-                    results,
-                    rule_ids: known,
-                } = parts;
-                let rule_ids = rules.ids_of(&results, &known)?;
-                staged.changes.push(self.change_values(
-                    key,
-                    target,
-                    event,
-                    object,
-                    previous,
-                    BODY_IN_OBJECTS.to_owned(),
-                    *rv,
-                    now,
-                ));
-                staged
-                    .rows
-                    .push(self.object_values(key, target, &cols, body, *rv));
-                staged.sides.push(NewObjectSides {
-                    key: key.to_owned(),
-                    namespace: target.namespace.to_owned(),
-                    name: target.name.to_owned(),
-                    labels: cols.labels,
-                    results,
-                    rule_ids,
-                });
-                applied
-            }
-            Versioned::Delete { current, object } => {
-                staged.removed.push(RemovedRow {
-                    id: current.id,
-                    rv: current.rv,
-                });
-                staged
-                    .changes
-                    .push(self.deletion_change(key, target, object, *rv, now));
-                Applied::deleted(*rv)
-            }
-        })
-    }
-
-    /// Writes a round's staged writes and moves the counter to the round's last version
-    /// `last_rv`: retires the superseded bodies, deletes the removed rows, inserts the new ones,
-    /// then their labels, result rows and change-log entries.
-    ///
-    /// Every statement of a round is a round trip made under the counter's lock. On PostgreSQL
-    /// the removals are one statement, and the side rows and change-log entries ride with the
-    /// counter's UPDATE as data-modifying CTEs when they fit in
-    /// [`PARAMETERS_PER_FOLDED_STATEMENT`]: a create is BEGIN, lock, current-row read, the new
-    /// rows, the rest, COMMIT. (Taking the new rows' ids from their `INSERT … RETURNING` in the
-    /// same statement costs more than the round trip: PostgreSQL plans a subquery per side row.)
-    pub(super) async fn write_staged(
-        &self,
-        txn: &DatabaseTransaction,
-        staged: StagedWrites,
-        last_rv: i64,
-    ) -> Result<(), StoreError> {
-        let postgres = self.backend() == DbBackend::Postgres;
-        if postgres {
-            self.remove_rows_in_one(txn, &staged.removed).await?;
-        } else {
-            let (ids, rvs) = ids_and_versions(&staged.removed);
-            self.retire_bodies(txn, &rvs).await?;
-            self.delete_rows(txn, &ids).await?;
-        }
-        let folds = postgres && staged.side_parameters() <= PARAMETERS_PER_FOLDED_STATEMENT;
-        let mut ids: HashMap<(String, String, String), i64> = HashMap::new();
-        let mut rows = staged.rows.into_iter().peekable();
-        while rows.peek().is_some() {
-            let mut insert = objects_head();
-            for row in rows.by_ref().take(OBJECTS_PER_STATEMENT) {
-                insert.values_panic(row);
-            }
-            insert.returning(Query::returning().columns([
-                Objects::Id,
-                Objects::Resource,
-                Objects::Namespace,
-                Objects::Name,
-            ]));
-            for row in txn.query_all(&insert).await.map_err(unique_to_exists)? {
-                ids.insert(
-                    (
-                        row.try_get("", "resource")?,
-                        row.try_get("", "namespace")?,
-                        row.try_get("", "name")?,
-                    ),
-                    row.try_get("", "id")?,
-                );
-            }
-        }
-        let mut labels = Vec::new();
-        let mut results = Vec::new();
-        for side in staged.sides {
-            let id = ids
-                .get(&(side.key.clone(), side.namespace.clone(), side.name.clone()))
-                .ok_or_else(|| {
-                    StoreError::Inconsistent(format!(
-                        "INSERT … RETURNING returned no id for {} {}/{}",
-                        side.key, side.namespace, side.name
-                    ))
-                })?;
-            side.rows_into(&Expr::val(*id), &mut labels, &mut results);
-        }
-        if folds {
-            let inserts = multi_row_inserts(labels_head, labels)
-                .into_iter()
-                .chain(multi_row_inserts(results_head, results))
-                .chain(multi_row_inserts(changes_head, staged.changes));
-            let mut with = WithQuery::new();
-            for (n, insert) in inserts.enumerate() {
-                with.cte(cte(format!("side_{n}"), insert));
-            }
-            txn.query_one(with.query(self.counter_advance(last_rv)))
-                .await?;
-            return Ok(());
-        }
-        insert_in_chunks(txn, labels_head, labels).await?;
-        insert_in_chunks(txn, results_head, results).await?;
-        insert_in_chunks(txn, changes_head, staged.changes).await?;
-        self.advance_counter(txn, last_rv).await
-    }
-
-    /// PostgreSQL: [`Store::retire_bodies`] and [`Store::delete_rows`] as one statement per
-    /// [`KEYS_PER_STATEMENT`] rows. Its parts share one snapshot, so the retirement still reads
-    /// the bodies of the rows the same statement deletes.
-    async fn remove_rows_in_one(
-        &self,
-        txn: &DatabaseTransaction,
-        removed: &[RemovedRow],
-    ) -> Result<(), StoreError> {
-        for chunk in removed.chunks(KEYS_PER_STATEMENT) {
-            let (ids, rvs) = ids_and_versions(chunk);
-            let mut with = WithQuery::new();
-            with.cte(cte("retired", self.retirement(&rvs)));
-            with.cte(cte(
-                "removed_labels",
-                delete_in(ObjectLabels::Table, ObjectLabels::ObjectId, &ids),
-            ));
-            with.cte(cte(
-                "removed_results",
-                delete_in(Results::Table, Results::ObjectId, &ids),
-            ));
-            txn.execute(with.query(delete_in(Objects::Table, Objects::Id, &ids)))
-                .await?;
-        }
-        Ok(())
     }
 }
 
