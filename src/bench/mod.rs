@@ -6,6 +6,9 @@
 //! receives every event), never speed.
 //!
 //! Phases (`--phases`, comma-separated, run in this order):
+//! - `seed` (in-process server only): `--seed-reports` reports loaded in bulk through the store
+//!   (as the migration imports), for the read phases to run at a size the API would take long
+//!   to create; the read phases then expect them too;
 //! - `create`: `--reports` Pod Security Standards reports through the API;
 //! - `update`: each created report replaced once (another rule failing), with its
 //!   resourceVersion, as Kyverno updates a report;
@@ -58,12 +61,13 @@ use reports_server_apiserver::startup::{self, RunningServer, ServerConfig};
 use reports_server_apiserver::store::StoreOptions;
 use reports_server_crds::PolicyReport;
 use reports_server_crds::fixtures::{Subject, pss_policy_report};
-use rss::rss;
+use rss::{bulk_load, rss};
 use serde_json::json;
 use watch_latency::{latency_namespace, watch_latency};
 
 /// Every phase, in the order they run.
-const PHASES: [&str; 11] = [
+const PHASES: [&str; 12] = [
+    "seed",
     "create",
     "update",
     "list",
@@ -79,7 +83,7 @@ const PHASES: [&str; 11] = [
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Phases to run, comma-separated: create, update, list, raw-list, database-read,
+    /// Phases to run, comma-separated (`all`: every phase but seed): seed, create, update, list, raw-list, database-read,
     /// metadata-list, kubectl-get, watcher-sync, watch-latency, rewrite, rss, or all.
     #[arg(
         long,
@@ -129,6 +133,13 @@ pub struct BenchArgs {
     /// ones: the fan-out then costs what it costs in a cluster.
     #[arg(long, env = "REPORTS_SERVER_BENCH_LATENCY_FULL_REPORTS")]
     latency_full_reports: bool,
+    /// Reports loaded in bulk through the store before the other phases (phase seed).
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_BENCH_SEED_REPORTS",
+        default_value_t = 100_000
+    )]
+    seed_reports: u64,
     /// Reports rewritten, one per namespace (phase rewrite).
     #[arg(
         long,
@@ -243,13 +254,21 @@ fn selected(args: &BenchArgs) -> anyhow::Result<Vec<&'static str>> {
     }
     let phases: Vec<&'static str> = PHASES
         .into_iter()
-        .filter(|p| wanted.iter().any(|w| w == "all" || w == p))
+        // `all` leaves out seed: it changes what the read phases read.
+        .filter(|p| {
+            wanted
+                .iter()
+                .any(|w| w == p || (w == "all" && *p != "seed"))
+        })
         .collect();
-    if args.kubeconfig.is_some() && wanted.iter().any(|w| w == "rss") {
-        bail!(
-            "phase rss loads reports through the in-process server's store; it cannot run against \
-             --kubeconfig (measure that server with --server-pid name=PID instead)"
-        );
+    for store_phase in ["rss", "seed"] {
+        if args.kubeconfig.is_some() && phases.contains(&store_phase) {
+            bail!(
+                "phase {store_phase} loads reports through the in-process server's store; it \
+                 cannot run against --kubeconfig (measure that server with --server-pid name=PID \
+                 instead)"
+            );
+        }
     }
     if phases.contains(&"update") && !phases.contains(&"create") {
         bail!("phase update replaces the reports phase create made: run both");
@@ -284,6 +303,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         baseline,
         figures: Figures::default(),
         created: Vec::new(),
+        seeded: 0,
         listed: None,
     };
     for phase in &phases {
@@ -364,6 +384,8 @@ struct Run<'a> {
     baseline: (u64, u64),
     figures: Figures,
     created: Created,
+    /// Reports the seed phase loaded.
+    seeded: usize,
     listed: Option<usize>,
 }
 
@@ -403,6 +425,23 @@ impl Run<'_> {
                 for run in 0..args.watchers.len() {
                     watch_latency(args, &self.client, run, &mut self.figures).await?;
                 }
+                Ok(())
+            }
+            "seed" => {
+                let s = self
+                    .server
+                    .context("phase seed loads through the in-process server's store")?;
+                let total = args.seed_reports;
+                println!("seed: loading {total} reports through the store");
+                let secs = bulk_load(&s.store, total, args.namespaces, "seed").await?;
+                self.seeded = total as usize;
+                self.figures.add(
+                    "seed_per_s",
+                    format!("bulk load of {total} reports through the store (seed phase)"),
+                    "reports/s",
+                    &[total as f64 / secs],
+                    &format!("{secs:.0} s"),
+                );
                 Ok(())
             }
             "rewrite" => rewrite::rewrite(args, &self.client, self.server, &mut self.figures).await,
@@ -456,7 +495,7 @@ impl Run<'_> {
 
     /// The list phases: each pass reads everything, and must see every created object once.
     async fn list(&mut self, phase: &str) -> anyhow::Result<()> {
-        let (args, created) = (self.args, self.created.len());
+        let (args, created) = (self.args, self.created.len() + self.seeded);
         let shared = args.kubeconfig.is_some();
         let (api, client, kubeconfig) = (&self.api, &self.client, &self.kubeconfig);
         let (samples, (n, pages)) = repeated(args.repeat, || async {

@@ -15,8 +15,8 @@ use super::BenchArgs;
 use super::figures::{Figures, MIB, memory};
 use super::reads::list_all;
 
-/// Loads reports in bulk through the store (one transaction per 1,000, the same rows the API
-/// writes), then reads the process's memory idle and after a full paginated list.
+/// Loads `--rss-reports` in bulk ([`bulk_load`]), then reads the process's memory idle and
+/// after a full paginated list.
 pub(super) async fn rss(
     args: &BenchArgs,
     store: &Store,
@@ -26,43 +26,7 @@ pub(super) async fn rss(
 ) -> anyhow::Result<()> {
     let total = args.rss_reports;
     println!("rss: loading {total} reports through the store");
-    let started = Instant::now();
-    let step = (total / 10).max(1);
-    let mut loaded = 0u64;
-    while loaded < total {
-        let n = (total - loaded).min(1000);
-        let objects: Vec<serde_json::Value> = (loaded..loaded + n)
-            .map(|i| {
-                let subject = Subject::pod(&format!("rss-{}", i % args.namespaces), i);
-                let mut v = serde_json::to_value(pss_policy_report(
-                    &subject,
-                    1_700_000_000,
-                    &[(i % 19) as usize],
-                ))?;
-                stamp_new(
-                    v["metadata"]
-                        .as_object_mut()
-                        .context("report without metadata")?,
-                    &subject.uid,
-                );
-                Ok(v)
-            })
-            .collect::<anyhow::Result<_>>()?;
-        store
-            .put_all(&POLICY_REPORT, objects)
-            .await
-            .context("bulk load")?;
-        let before = loaded;
-        loaded += n;
-        if loaded / step != before / step || loaded == total {
-            eprintln!(
-                "  loaded {loaded}/{total} ({:.0}%, {:.0} s)",
-                loaded as f64 * 100.0 / total as f64,
-                started.elapsed().as_secs_f64()
-            );
-        }
-    }
-    let load_secs = started.elapsed().as_secs_f64();
+    let load_secs = bulk_load(store, total, args.namespaces, "rss").await?;
     // Let the change feed broadcast what was loaded and settle before reading memory.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let idle = memory()?;
@@ -107,4 +71,52 @@ pub(super) async fn rss(
         ),
     );
     Ok(())
+}
+
+/// Loads `total` reports in bulk through the store, one transaction per 1,000 (the same rows
+/// the API writes), into namespaces `<prefix>-0` … `<prefix>-<namespaces - 1>`, with progress;
+/// the seconds it took.
+pub(super) async fn bulk_load(
+    store: &Store,
+    total: u64,
+    namespaces: u64,
+    prefix: &str,
+) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let step = (total / 10).max(1);
+    let mut loaded = 0u64;
+    while loaded < total {
+        let n = (total - loaded).min(1000);
+        let objects: Vec<serde_json::Value> = (loaded..loaded + n)
+            .map(|i| {
+                let subject = Subject::pod(&format!("{prefix}-{}", i % namespaces.max(1)), i);
+                let mut v = serde_json::to_value(pss_policy_report(
+                    &subject,
+                    1_700_000_000,
+                    &[(i % 19) as usize],
+                ))?;
+                stamp_new(
+                    v["metadata"]
+                        .as_object_mut()
+                        .context("report without metadata")?,
+                    &subject.uid,
+                );
+                Ok(v)
+            })
+            .collect::<anyhow::Result<_>>()?;
+        store
+            .put_all(&POLICY_REPORT, objects)
+            .await
+            .context("bulk load")?;
+        let before = loaded;
+        loaded += n;
+        if loaded / step != before / step || loaded == total {
+            eprintln!(
+                "  loaded {loaded}/{total} ({:.0}%, {:.0} s)",
+                loaded as f64 * 100.0 / total as f64,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(started.elapsed().as_secs_f64())
 }

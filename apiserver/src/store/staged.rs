@@ -48,7 +48,8 @@ struct RemovedRow {
     rv: i64,
     /// Whether its label rows go too (a deleted object, or a replaced one whose labels changed).
     labels: bool,
-    /// Whether its result rows go too (a deleted object).
+    /// Whether all its result rows go too (a deleted object, or a replaced one none of whose
+    /// results stay).
     results: bool,
 }
 
@@ -370,15 +371,17 @@ impl StagedWrites {
             id: current.id,
             rv: current.rv,
             labels: changes.labels.is_some(),
-            results: false,
+            results: changes.clears_results,
         });
-        self.removed_slots.extend(
-            changes
-                .results
-                .removed
-                .iter()
-                .map(|slot| (current.id, *slot)),
-        );
+        if !changes.clears_results {
+            self.removed_slots.extend(
+                changes
+                    .results
+                    .removed
+                    .iter()
+                    .map(|slot| (current.id, *slot)),
+            );
+        }
         self.rows_with_ids.push((current.id, row));
         self.sides.push(ObjectSides {
             owner: Owner::Kept(current.id),

@@ -258,14 +258,18 @@ impl Store {
                 txn.execute(&insert).await?;
             }
         }
-        let slots: Vec<(i64, i32)> = changes
-            .results
-            .removed
-            .iter()
-            .map(|s| (current.id, *s))
-            .collect();
-        for delete in delete_slots(&slots) {
-            txn.execute(&delete).await?;
+        if changes.clears_results {
+            delete_where_in(txn, Results::Table, Results::ObjectId, &[current.id]).await?;
+        } else {
+            let slots: Vec<(i64, i32)> = changes
+                .results
+                .removed
+                .iter()
+                .map(|s| (current.id, *s))
+                .collect();
+            for delete in delete_slots(&slots) {
+                txn.execute(&delete).await?;
+            }
         }
         for insert in multi_row_inserts(results_head, slot_values(&id, changes.results.added)) {
             txn.execute(&insert).await?;
@@ -449,6 +453,9 @@ impl Store {
 pub(super) struct SideChanges {
     pub(super) labels: Option<BTreeMap<String, String>>,
     pub(super) results: ResultDiff,
+    /// Every stored result row goes (Kyverno's rescans change every timestamp): deleted by
+    /// report, one index range, rather than slot by slot.
+    pub(super) clears_results: bool,
 }
 
 impl SideChanges {
@@ -461,9 +468,12 @@ impl SideChanges {
         results: Vec<ResultColumns>,
     ) -> Self {
         let unchanged = previous.is_some_and(|p| labels_of(p) == labels);
+        let results = diff(&current.stored_results, results);
         SideChanges {
             labels: (!unchanged).then_some(labels),
-            results: diff(&current.stored_results, results),
+            clears_results: !current.stored_results.is_empty()
+                && results.removed.len() == current.stored_results.len(),
+            results,
         }
     }
 }
