@@ -581,7 +581,7 @@ impl Run<'_> {
         if let Some(n) = self.listed {
             println!(
                 "every object listed exactly once: yes ({n} of {})",
-                self.created.len()
+                self.created.len() + self.seeded
             );
         }
         if let Some(path) = &args.json {

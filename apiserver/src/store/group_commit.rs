@@ -670,10 +670,10 @@ impl Store {
         for current in accepted
             .iter_mut()
             .flat_map(|w| w.currents.iter_mut().flatten())
+            .filter(|current| ids.contains(&current.id))
         {
-            if let Some(rows) = stored.remove(&current.id) {
-                current.stored_results = rows;
-            }
+            // A report without rows has none to keep, whatever an earlier read left here.
+            current.stored_results = stored.remove(&current.id).unwrap_or_default();
         }
         Ok(())
     }

@@ -99,6 +99,10 @@ impl ObjectSides {
     }
 }
 
+/// Chunks of freed result slots (up to 2,000 bind parameters each) folded into one removal
+/// statement of PostgreSQL, next to its up to 3,000 others: far below the protocol's 65,535.
+const SLOT_DELETES_FOLDED: usize = 4;
+
 /// Rows per multi-row INSERT of new objects (21 bind parameters each).
 const OBJECTS_PER_STATEMENT: usize = 500;
 
@@ -325,8 +329,9 @@ impl Store {
     }
 
     /// PostgreSQL: [`Store::remove_rows`] as one statement per [`KEYS_PER_STATEMENT`] rows (the
-    /// freed slots ride on the first). Its parts share one snapshot, so the retirement still
-    /// reads the bodies of the rows the same statement deletes.
+    /// freed slots ride along, [`SLOT_DELETES_FOLDED`] chunks of them per statement, the rest in
+    /// statements of their own). Its parts share one snapshot, so the retirement still reads
+    /// the bodies of the rows the same statement deletes.
     async fn remove_rows_in_one(
         &self,
         txn: &DatabaseTransaction,
@@ -350,7 +355,7 @@ impl Store {
                     delete_in(Results::Table, Results::ObjectId, &result_ids),
                 ));
             }
-            for (n, delete) in slot_deletes.by_ref().enumerate() {
+            for (n, delete) in slot_deletes.by_ref().take(SLOT_DELETES_FOLDED).enumerate() {
                 with.cte(cte(format!("removed_slots_{n}"), delete));
             }
             txn.execute(with.query(delete_in(Objects::Table, Objects::Id, &ids)))

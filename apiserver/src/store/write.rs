@@ -299,11 +299,7 @@ impl Store {
     }
 
     /// Deletes the `objects` rows `ids` with their labels and result rows.
-    pub(super) async fn delete_rows(
-        &self,
-        txn: &DatabaseTransaction,
-        ids: &[i64],
-    ) -> Result<(), StoreError> {
+    async fn delete_rows(&self, txn: &DatabaseTransaction, ids: &[i64]) -> Result<(), StoreError> {
         delete_where_in(txn, Objects::Table, Objects::Id, ids).await?;
         self.delete_side_rows(txn, ids).await
     }
@@ -468,11 +464,19 @@ impl SideChanges {
         results: Vec<ResultColumns>,
     ) -> Self {
         let unchanged = previous.is_some_and(|p| labels_of(p) == labels);
-        let results = diff(&current.stored_results, results);
+        let mut results = diff(&current.stored_results, results);
+        let clears_results = !current.stored_results.is_empty()
+            && results.removed.len() == current.stored_results.len();
+        if clears_results {
+            // Nothing stays: number the rows afresh, as a create does.
+            let rows = std::mem::take(&mut results.added)
+                .into_iter()
+                .map(|(_, row)| row);
+            results.added = all_new(rows.collect());
+        }
         SideChanges {
             labels: (!unchanged).then_some(labels),
-            clears_results: !current.stored_results.is_empty()
-                && results.removed.len() == current.stored_results.len(),
+            clears_results,
             results,
         }
     }
