@@ -654,7 +654,7 @@ impl Store {
         txn: &DatabaseTransaction,
         accepted: &mut [Accepted],
     ) -> Result<(), StoreError> {
-        let ids: Vec<i64> = accepted
+        let ids: HashSet<i64> = accepted
             .iter()
             .flat_map(|w| w.targets.iter().zip(&w.currents).zip(&w.decided))
             .filter_map(
@@ -666,7 +666,8 @@ impl Store {
                 },
             )
             .collect();
-        let mut stored = self.result_rows_of(txn, &ids).await?;
+        let listed: Vec<i64> = ids.iter().copied().collect();
+        let mut stored = self.result_rows_of(txn, &listed).await?;
         for current in accepted
             .iter_mut()
             .flat_map(|w| w.currents.iter_mut().flatten())

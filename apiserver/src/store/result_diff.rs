@@ -126,6 +126,9 @@ pub(super) struct ResultDiff {
     pub removed: Vec<i32>,
     /// Rows to insert, with their slots.
     pub added: Vec<(i32, ResultColumns)>,
+    /// No stored row stays (a Kyverno rescan stamps every timestamp anew): the rows can go by
+    /// report, one index range, rather than slot by slot.
+    pub clears: bool,
 }
 
 /// The diff from `stored` (slot, row) to `new` (the new version's rows, in order).
@@ -148,9 +151,19 @@ pub(super) fn diff(stored: &[(i32, ResultColumns)], new: Vec<ResultColumns>) -> 
     }
     let mut removed: Vec<i32> = slots_of.into_values().flatten().collect();
     removed.sort_unstable();
-    let free = removed.iter().copied().chain(next_free..);
-    let added = free.zip(added_rows).collect();
-    ResultDiff { removed, added }
+    let clears = !stored.is_empty() && removed.len() == stored.len();
+    let added = if clears {
+        // Nothing stays: the rows are numbered afresh, as a create numbers them.
+        all_new(added_rows)
+    } else {
+        let free = removed.iter().copied().chain(next_free..);
+        free.zip(added_rows).collect()
+    };
+    ResultDiff {
+        removed,
+        added,
+        clears,
+    }
 }
 
 #[cfg(test)]
@@ -230,10 +243,16 @@ mod tests {
 
     #[test]
     fn new_rows_fill_freed_slots_first_then_follow_the_highest() {
-        let stored = vec![(0, row(0, "pass", "a")), (5, row(5, "pass", "a"))];
+        // Row 3 stays, so the rest are not numbered afresh.
+        let stored = vec![
+            (0, row(0, "pass", "a")),
+            (3, row(3, "pass", "a")),
+            (5, row(5, "pass", "a")),
+        ];
         let d = diff(
             &stored,
             vec![
+                row(3, "pass", "a"),
                 row(7, "pass", "a"),
                 row(8, "pass", "a"),
                 row(9, "pass", "a"),
@@ -242,6 +261,17 @@ mod tests {
         assert_eq!(d.removed, vec![0, 5]);
         let slots: Vec<i32> = d.added.iter().map(|(s, _)| *s).collect();
         assert_eq!(slots, vec![0, 5, 6]);
+    }
+
+    #[test]
+    fn when_nothing_stays_the_rows_go_by_report_and_are_numbered_afresh() {
+        let stored = vec![(4, row(0, "pass", "a")), (9, row(1, "pass", "a"))];
+        let d = diff(&stored, vec![row(0, "fail", "b"), row(1, "fail", "b")]);
+        assert!(d.clears);
+        assert_eq!(d.removed, vec![4, 9]);
+        let slots: Vec<i32> = d.added.iter().map(|(s, _)| *s).collect();
+        assert_eq!(slots, vec![0, 1]);
+        assert!(!diff(&[], vec![row(0, "pass", "a")]).clears);
     }
 
     fn any_row() -> impl Strategy<Value = ResultColumns> {

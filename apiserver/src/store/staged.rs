@@ -376,9 +376,9 @@ impl StagedWrites {
             id: current.id,
             rv: current.rv,
             labels: changes.labels.is_some(),
-            results: changes.clears_results,
+            results: changes.results.clears,
         });
-        if !changes.clears_results {
+        if !changes.results.clears {
             self.removed_slots.extend(
                 changes
                     .results

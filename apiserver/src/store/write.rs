@@ -258,7 +258,7 @@ impl Store {
                 txn.execute(&insert).await?;
             }
         }
-        if changes.clears_results {
+        if changes.results.clears {
             delete_where_in(txn, Results::Table, Results::ObjectId, &[current.id]).await?;
         } else {
             let slots: Vec<(i64, i32)> = changes
@@ -449,9 +449,6 @@ impl Store {
 pub(super) struct SideChanges {
     pub(super) labels: Option<BTreeMap<String, String>>,
     pub(super) results: ResultDiff,
-    /// Every stored result row goes (Kyverno's rescans change every timestamp): deleted by
-    /// report, one index range, rather than slot by slot.
-    pub(super) clears_results: bool,
 }
 
 impl SideChanges {
@@ -464,20 +461,9 @@ impl SideChanges {
         results: Vec<ResultColumns>,
     ) -> Self {
         let unchanged = previous.is_some_and(|p| labels_of(p) == labels);
-        let mut results = diff(&current.stored_results, results);
-        let clears_results = !current.stored_results.is_empty()
-            && results.removed.len() == current.stored_results.len();
-        if clears_results {
-            // Nothing stays: number the rows afresh, as a create does.
-            let rows = std::mem::take(&mut results.added)
-                .into_iter()
-                .map(|(_, row)| row);
-            results.added = all_new(rows.collect());
-        }
         SideChanges {
             labels: (!unchanged).then_some(labels),
-            clears_results,
-            results,
+            results: diff(&current.stored_results, results),
         }
     }
 }
