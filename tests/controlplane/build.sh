@@ -185,13 +185,16 @@ log "etcd built in $(($(date +%s) - t0)) s"
 fi
 
 # ---- smoke-check and publish -------------------------------------------------------------------
+# The output is captured, not piped into `grep -q`: grep exits at its first match, the
+# command then dies of SIGPIPE writing its next line, and pipefail fails the check (seen with
+# etcd's four-line --version).
 for c in "${KUBE_CMDS[@]}"; do
-    "$NEW/$c" --version | grep -q "v$KUBE_VERSION" ||
-        die "$c --version does not report v$KUBE_VERSION: $("$NEW/$c" --version)"
+    reported=$("$NEW/$c" --version)
+    [[ $reported == *"v$KUBE_VERSION"* ]] || die "$c --version does not report v$KUBE_VERSION: $reported"
 done
 if [[ $TARGET == controlplane ]]; then
-    "$NEW/etcd" --version | grep -q "$ETCD_VERSION" ||
-        die "etcd --version does not report $ETCD_VERSION: $("$NEW/etcd" --version)"
+    reported=$("$NEW/etcd" --version)
+    [[ $reported == *"$ETCD_VERSION"* ]] || die "etcd --version does not report $ETCD_VERSION: $reported"
 fi
 
 rm -f "$STAMP"

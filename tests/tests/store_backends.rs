@@ -1511,6 +1511,7 @@ async fn an_update_leaves_the_result_rows_a_create_of_the_same_report_writes() {
                 "{backend:?}: step {step}"
             );
         }
+        racing_updates_of_one_report(&store, backend).await;
         // Only PostgreSQL folds the freed slots into one statement; the others delete them
         // chunk by chunk.
         if backend == Backend::Postgres {
@@ -1525,6 +1526,61 @@ async fn an_update_leaves_the_result_rows_a_create_of_the_same_report_writes() {
             .unwrap();
         assert_eq!(slots[0].try_get::<i64>("", "n").unwrap(), 0, "{backend:?}");
     }
+}
+
+/// Eight writers editing one report at once: most find it changed when their round comes and
+/// decide again on what is current, so the result rows they read beside their first decision
+/// are stale and the round must read the current ones. The rows are then those a create of the
+/// final version writes.
+async fn racing_updates_of_one_report(store: &Store, backend: Backend) {
+    let mut seed = report("race", 1, &[]);
+    seed["metadata"]["namespace"] = json!("racing");
+    let one = seed["results"][0].clone();
+    seed["results"] = json!(
+        (0..12)
+            .map(|i| {
+                let mut r = one.clone();
+                r["message"] = json!(format!("result {i}"));
+                r
+            })
+            .collect::<Vec<_>>()
+    );
+    put(store, "racing", "r-00001", seed).await;
+    let writers: Vec<_> = (0..8)
+        .map(|writer| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                for edit in 0..5 {
+                    let decide = |current: Option<Value>| {
+                        let mut next = current.expect("the report exists");
+                        let results = next["results"].as_array_mut().unwrap();
+                        results.rotate_left(1 + writer % 3);
+                        results[writer % 12]["message"] = json!(format!("{writer}/{edit}"));
+                        Ok(Mutation::Put(next))
+                    };
+                    store
+                        .mutate::<StoreError, _>(&POLICY_REPORT, "racing", "r-00001", false, decide)
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let mut last = store
+        .get_object(&POLICY_REPORT, "racing", "r-00001")
+        .await
+        .unwrap()
+        .unwrap();
+    last["metadata"]["namespace"] = json!("raced");
+    put(store, "raced", "r-00001", last).await;
+    assert_eq!(
+        results_in(store, "racing").await,
+        results_in(store, "raced").await,
+        "{backend:?}: after racing updates"
+    );
 }
 
 /// 70 reports of 1,000 results in one bulk round, then again with 950 of each changed: 66,500

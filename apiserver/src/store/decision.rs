@@ -14,8 +14,19 @@ use super::result_diff::ResultColumns;
 
 /// A target's stored row as a writer read it.
 pub(super) struct Seen {
+    pub(super) id: i64,
     pub(super) rv: i64,
     pub(super) body: String,
+}
+
+/// The `results` rows (with their slots) of the report `id` at version `rv`, read by a writer
+/// that replaces it: the round diffs the replacement against them when the report is still at
+/// `rv`, instead of reading them under the counter's lock. Sound because a report's rows change
+/// only in the commit that changes its version, and the writer reads them after the version.
+pub(super) struct StoredResults {
+    pub(super) id: i64,
+    pub(super) rv: i64,
+    pub(super) rows: Vec<(i32, ResultColumns)>,
 }
 
 /// The resourceVersion an object carries in its metadata.

@@ -38,7 +38,7 @@ use tracing::Instrument;
 
 use super::columns::{RuleKey, has_result_rows, result_rules};
 use super::decision::Seen;
-use super::decision::{Applied, Current, Decided, Mutation, Target, WriteOutcome};
+use super::decision::{Applied, Current, Decided, Mutation, StoredResults, Target, WriteOutcome};
 use super::feed::{Change, EventType};
 use super::policy_rules::RoundRules;
 use super::schema::Objects;
@@ -97,6 +97,8 @@ pub(super) struct Request {
 pub(super) struct Presumed {
     pub versions: Vec<Option<i64>>,
     pub decided: Vec<Decided>,
+    /// The result rows of the reports it replaces, as it read them (`None`: not read).
+    pub stored: Vec<Option<StoredResults>>,
 }
 
 /// What a round makes of a writer's presumed decisions.
@@ -184,6 +186,10 @@ impl OwnedTarget {
         Ok(owned)
     }
 
+    pub(super) fn resource(&self) -> &'static ResourceDescriptor {
+        self.resource
+    }
+
     fn target(&self) -> Target<'_> {
         Target {
             resource: self.resource,
@@ -262,6 +268,8 @@ struct Accepted {
     targets: Vec<OwnedTarget>,
     currents: Vec<Option<Current>>,
     decided: Vec<Decided>,
+    /// The writer's read of the rows its puts replace; taken by the first round that writes it.
+    stored: Vec<Option<StoredResults>>,
     done: oneshot::Sender<Result<Vec<WriteOutcome>, StoreError>>,
     commit_sent: CommitSent,
 }
@@ -465,6 +473,7 @@ impl Store {
                     targets: request.targets,
                     currents,
                     decided: request.presumed.decided,
+                    stored: request.presumed.stored,
                     done: request.done,
                     commit_sent: request.commit_sent,
                 });
@@ -495,26 +504,23 @@ impl Store {
         for ((request, currents), rows) in changed.into_iter().zip(rows) {
             let seen = rows.into_iter().map(|r| r.map(Row::seen)).collect();
             if request.offer.send(Ok(Admission::Changed(seen))).is_ok() {
-                offered.push((
-                    request.targets,
+                let waiting = Accepted {
+                    targets: request.targets,
                     currents,
-                    request.decision,
-                    request.done,
-                    request.commit_sent,
-                ));
+                    decided: Vec::new(),
+                    stored: request.presumed.stored,
+                    done: request.done,
+                    commit_sent: request.commit_sent,
+                };
+                offered.push((waiting, request.decision));
             }
         }
-        for (targets, currents, decision, done, commit_sent) in offered {
+        for (mut waiting, decision) in offered {
             // A writer that declined (its decision failed, or it decides outside) or went away
             // drops its sender.
             if let Ok(decided) = decision.await {
-                accepted.push(Accepted {
-                    targets,
-                    currents,
-                    decided,
-                    done,
-                    commit_sent,
-                });
+                waiting.decided = decided;
+                accepted.push(waiting);
             }
         }
         Ok(accepted)
@@ -647,31 +653,45 @@ impl Store {
         Ok((all, rv))
     }
 
-    /// Reads the result rows of every report the round replaces into its [`Current`], for the
-    /// replacement's rows to be diffed against (`store::result_diff`).
+    /// Puts the result rows of every report the round replaces into its [`Current`], for the
+    /// replacement's rows to be diffed against (`store::result_diff`): the writer's own read
+    /// where the report is still at the version it read them at (the common case, read off this
+    /// serial path), the others read here in one statement.
     async fn read_stored_results(
         &self,
         txn: &DatabaseTransaction,
         accepted: &mut [Accepted],
     ) -> Result<(), StoreError> {
-        let ids: HashSet<i64> = accepted
-            .iter()
-            .flat_map(|w| w.targets.iter().zip(&w.currents).zip(&w.decided))
-            .filter_map(
-                |((target, current), decided)| match (&decided.mutation, current) {
-                    (Mutation::Put(_), Some(current)) if has_result_rows(target.resource) => {
-                        Some(current.id)
+        let mut unread = HashSet::new();
+        for writer in accepted.iter_mut() {
+            let replaced = writer.targets.iter().zip(&writer.decided);
+            let slots = writer.currents.iter_mut().zip(writer.stored.iter_mut());
+            for ((target, decided), (current, stored)) in replaced.zip(slots) {
+                let Some(current) = current else { continue };
+                if !matches!(decided.mutation, Mutation::Put(_))
+                    || !has_result_rows(target.resource)
+                {
+                    continue;
+                }
+                match stored.take() {
+                    Some(read) if read.id == current.id && read.rv == current.rv => {
+                        current.stored_results = read.rows;
                     }
-                    _ => None,
-                },
-            )
-            .collect();
-        let listed: Vec<i64> = ids.iter().copied().collect();
+                    _ => {
+                        unread.insert(current.id);
+                    }
+                }
+            }
+        }
+        if unread.is_empty() {
+            return Ok(());
+        }
+        let listed: Vec<i64> = unread.iter().copied().collect();
         let mut stored = self.result_rows_of(txn, &listed).await?;
         for current in accepted
             .iter_mut()
             .flat_map(|w| w.currents.iter_mut().flatten())
-            .filter(|current| ids.contains(&current.id))
+            .filter(|current| unread.contains(&current.id))
         {
             // A report without rows has none to keep, whatever an earlier read left here.
             current.stored_results = stored.remove(&current.id).unwrap_or_default();
@@ -807,6 +827,7 @@ struct Row {
 impl Row {
     fn seen(self) -> Seen {
         Seen {
+            id: self.id,
             rv: self.rv,
             body: self.body,
         }

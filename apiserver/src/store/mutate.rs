@@ -18,7 +18,8 @@ use reports_server_crds::ResourceDescriptor;
 use serde_json::Value;
 
 use super::EventType::{Added, Deleted, Modified};
-use super::decision::{Decided, Mutation, Seen, Target, WriteOutcome, current_rv};
+use super::columns::has_result_rows;
+use super::decision::{Decided, Mutation, Seen, StoredResults, Target, WriteOutcome, current_rv};
 use super::group_commit::{Admission, OwnedTarget, Presumed};
 use super::prepared::Prepared;
 use super::{Store, StoreError, parse_document};
@@ -111,10 +112,19 @@ impl Store {
         let mut attempt = 0;
         loop {
             let began = Instant::now();
-            let versions = seen.iter().map(|s| s.as_ref().map(|s| s.rv)).collect();
+            let rows: Vec<Option<(i64, i64)>> = seen
+                .iter()
+                .map(|s| s.as_ref().map(|s| (s.id, s.rv)))
+                .collect();
             let decided = self.decide_on(targets, seen, &mut decide)?;
             let cheap = began.elapsed() <= INSIDE_DECISION_BUDGET;
-            let ticket = self.enqueue(owned.clone(), Presumed { versions, decided });
+            let stored = self.read_replaced_results(&owned, &rows, &decided).await?;
+            let presumed = Presumed {
+                versions: rows.iter().map(|r| r.map(|(_, rv)| rv)).collect(),
+                decided,
+                stored,
+            };
+            let ticket = self.enqueue(owned.clone(), presumed);
             let now = match ticket.offer.await.map_err(|_| leader_gone())?? {
                 Admission::Accepted => {
                     return Ok(ticket.done.wait().await?);
@@ -202,6 +212,44 @@ impl Store {
             });
         }
         Ok(decided)
+    }
+}
+
+impl Store {
+    /// The result rows of the reports `decided` replaces, read after the rows (`(id, rv)` per
+    /// target) it decided on: the round takes them instead of reading them under its lock when
+    /// the report is still at that version (see [`StoredResults`]).
+    async fn read_replaced_results(
+        &self,
+        targets: &[OwnedTarget],
+        rows: &[Option<(i64, i64)>],
+        decided: &[Decided],
+    ) -> Result<Vec<Option<StoredResults>>, StoreError> {
+        let replaced: Vec<Option<(i64, i64)>> = targets
+            .iter()
+            .zip(rows)
+            .zip(decided)
+            .map(|((target, row), decided)| match decided.mutation {
+                Mutation::Put(_) if has_result_rows(target.resource()) => *row,
+                _ => None,
+            })
+            .collect();
+        let ids: Vec<i64> = replaced.iter().flatten().map(|(id, _)| *id).collect();
+        if ids.is_empty() {
+            return Ok(replaced.iter().map(|_| None).collect());
+        }
+        let read = self.result_rows_of(self.connection(), &ids);
+        let mut by_report = self.unless_outage(read).await?;
+        Ok(replaced
+            .into_iter()
+            .map(|row| {
+                row.map(|(id, rv)| StoredResults {
+                    id,
+                    rv,
+                    rows: by_report.remove(&id).unwrap_or_default(),
+                })
+            })
+            .collect())
     }
 }
 

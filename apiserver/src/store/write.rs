@@ -280,7 +280,7 @@ impl Store {
     /// The stored result rows of the reports `ids`, with their slots, by report.
     pub(super) async fn result_rows_of(
         &self,
-        txn: &DatabaseTransaction,
+        txn: &impl ConnectionTrait,
         ids: &[i64],
     ) -> Result<HashMap<i64, Vec<(i32, ResultColumns)>>, StoreError> {
         let mut by_report: HashMap<i64, Vec<(i32, ResultColumns)>> = HashMap::new();
