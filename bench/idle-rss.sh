@@ -41,23 +41,8 @@ trap 'stop_server; rm -rf "$WORK"' EXIT
 log "building reports-server (release, --features bench)"
 (cd "$ROOT" && cargo build --release --features bench --bin reports-server)
 
-start_server() {
-    "$BIN" serve --database-url "$DATABASE_URL" --data-dir "$WORK/data" \
-        --secure-port "$PORT" --write-kubeconfig "$WORK/kubeconfig" --log warn \
-        >>"$WORK/server.log" 2>&1 &
-    SERVER_PID=$!
-    for _ in $(seq 100); do
-        KUBECONFIG=$WORK/kubeconfig kubectl get --raw /readyz >/dev/null 2>&1 && return
-        kill -0 "$SERVER_PID" 2>/dev/null || {
-            cat "$WORK/server.log" >&2
-            exit 1
-        }
-        sleep 0.2
-    done
-    log "the server did not become ready; its log:"
-    cat "$WORK/server.log" >&2
-    exit 1
-}
+# shellcheck source=bench/standalone-server.sh
+source "$ROOT/bench/standalone-server.sh"
 
 # "<VmRSS MiB> (VmHWM <MiB>, anonymous <MiB>), change feed buffer <bytes> bytes"
 sample() {

@@ -172,7 +172,8 @@ pub struct BenchArgs {
     )]
     rss_reports: u64,
     /// Database of the in-process server [default: a fresh SQLite file in a temporary
-    /// directory].
+    /// directory]. Reports already stored there count in lists (a list must hold at least what
+    /// this run wrote): seed once, then measure the read phases again and again.
     #[arg(long, env = "REPORTS_SERVER_BENCH_DATABASE_URL")]
     database_url: Option<String>,
     /// The in-process server's `--group-commit-max-writes` (1: one write per transaction, as
@@ -496,7 +497,9 @@ impl Run<'_> {
     /// The list phases: each pass reads everything, and must see every created object once.
     async fn list(&mut self, phase: &str) -> anyhow::Result<()> {
         let (args, created) = (self.args, self.created.len() + self.seeded);
-        let shared = args.kubeconfig.is_some();
+        // Behind a kubeconfig, or on a given database (e.g. seeded by an earlier run), the API
+        // may hold more than this run wrote.
+        let shared = args.kubeconfig.is_some() || args.database_url.is_some();
         let (api, client, kubeconfig) = (&self.api, &self.client, &self.kubeconfig);
         let (samples, (n, pages)) = repeated(args.repeat, || async {
             let (n, pages) = match phase {

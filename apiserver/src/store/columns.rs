@@ -117,7 +117,7 @@ impl RuleKey {
 }
 
 /// One policy result flattened for the `results` table.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ResultRow {
     pub rule: RuleKey,
     pub result: Option<String>,
@@ -132,7 +132,7 @@ pub struct ResultRow {
 }
 
 /// The object a result is about, as the `results` table keeps it.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ResultSubject {
     pub kind: Option<String>,
     pub namespace: Option<String>,

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use super::feed::EventType;
 use super::prepared::{Prepared, RowParts};
-use super::result_diff::ResultColumns;
+use super::result_diff::{ResultColumns, StoredRows};
 
 /// A target's stored row as a writer read it.
 pub(super) struct Seen {
@@ -69,9 +69,9 @@ pub struct Target<'a> {
 pub(super) struct Current {
     pub(super) id: i64,
     pub(super) rv: i64,
-    /// The object's `results` rows with their slots, read by the round when it replaces the
-    /// object (empty otherwise): what the replacement's rows are diffed against.
-    pub(super) stored_results: Vec<(i32, ResultColumns)>,
+    /// What the round knows of the object's `results` rows when it replaces the object
+    /// (nothing otherwise): what the replacement's rows are diffed against.
+    pub(super) stored_results: StoredRows,
 }
 
 /// A writer's decision on one target, with the current object it was made on.
@@ -81,6 +81,9 @@ pub(super) struct Decided {
     /// The put's row but for its version, prepared by the writer (see [`super::prepared`]);
     /// taken by the round that writes it (a retry computes it again).
     pub(super) prepared: Option<Prepared>,
+    /// No result row stored for `current` can stay in the put (see
+    /// [`super::result_diff::none_can_stay`]): the round need not read them.
+    pub(super) none_stay: bool,
 }
 
 /// A decided mutation with its resourceVersion assigned (the object stamped with it): what
@@ -119,6 +122,7 @@ pub(super) fn version<'a>(
         mutation,
         current: current_object,
         prepared,
+        none_stay: _,
     } = decided;
     match (mutation, current, current_object.as_mut()) {
         (Mutation::Unchanged, _, previous) => Versioned::Nothing(Applied {

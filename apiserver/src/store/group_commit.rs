@@ -36,13 +36,15 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, Transact
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::columns::{RuleKey, has_result_rows, result_rules};
+use super::columns::{RuleKey, result_rules};
 use super::decision::Seen;
 use super::decision::{Applied, Current, Decided, Mutation, StoredResults, Target, WriteOutcome};
 use super::feed::{Change, EventType};
 use super::policy_rules::RoundRules;
+use super::result_diff::StoredRows;
 use super::schema::Objects;
 use super::staged::StagedWrites;
+use super::stored_rows::Replaced;
 use super::write::{lock_counter, now_unix};
 use super::{Store, StoreError};
 
@@ -653,50 +655,36 @@ impl Store {
         Ok((all, rv))
     }
 
-    /// Puts the result rows of every report the round replaces into its [`Current`], for the
-    /// replacement's rows to be diffed against (`store::result_diff`): the writer's own read
-    /// where the report is still at the version it read them at (the common case, read off this
-    /// serial path), the others read here in one statement.
+    /// Puts what is known of the stored result rows of every report the round replaces into
+    /// its [`Current`] (see `store::stored_rows`).
     async fn read_stored_results(
         &self,
         txn: &DatabaseTransaction,
         accepted: &mut [Accepted],
     ) -> Result<(), StoreError> {
-        let mut unread = HashSet::new();
+        let mut replaced = Vec::new();
         for writer in accepted.iter_mut() {
-            let replaced = writer.targets.iter().zip(&writer.decided);
-            let slots = writer.currents.iter_mut().zip(writer.stored.iter_mut());
-            for ((target, decided), (current, stored)) in replaced.zip(slots) {
-                let Some(current) = current else { continue };
-                if !matches!(decided.mutation, Mutation::Put(_))
-                    || !has_result_rows(target.resource)
-                {
-                    continue;
-                }
-                match stored.take() {
-                    Some(read) if read.id == current.id && read.rv == current.rv => {
-                        current.stored_results = read.rows;
-                    }
-                    _ => {
-                        unread.insert(current.id);
-                    }
+            let Accepted {
+                targets,
+                currents,
+                decided,
+                stored,
+                ..
+            } = writer;
+            let targets = targets.iter().zip(decided.iter());
+            for ((target, decided), (current, read)) in targets.zip(currents.iter_mut().zip(stored))
+            {
+                if let Some(current) = current {
+                    replaced.push(Replaced {
+                        resource: target.resource,
+                        decided,
+                        current,
+                        read,
+                    });
                 }
             }
         }
-        if unread.is_empty() {
-            return Ok(());
-        }
-        let listed: Vec<i64> = unread.iter().copied().collect();
-        let mut stored = self.result_rows_of(txn, &listed).await?;
-        for current in accepted
-            .iter_mut()
-            .flat_map(|w| w.currents.iter_mut().flatten())
-            .filter(|current| unread.contains(&current.id))
-        {
-            // A report without rows has none to keep, whatever an earlier read left here.
-            current.stored_results = stored.remove(&current.id).unwrap_or_default();
-        }
-        Ok(())
+        self.fill_stored_rows(txn, replaced).await
     }
 
     /// After a failed round: the writer's decided mutations in a transaction of their own, if
@@ -750,7 +738,7 @@ impl Store {
                         r.map(|r| Current {
                             id: r.id,
                             rv: r.rv,
-                            stored_results: Vec::new(),
+                            stored_results: StoredRows::default(),
                         })
                     })
                     .collect()

@@ -38,6 +38,7 @@ pub mod schema;
 mod staged;
 mod statements;
 pub mod statistics;
+mod stored_rows;
 mod write;
 
 use std::sync::Arc;

@@ -18,10 +18,11 @@ use reports_server_crds::ResourceDescriptor;
 use serde_json::Value;
 
 use super::EventType::{Added, Deleted, Modified};
-use super::columns::has_result_rows;
-use super::decision::{Decided, Mutation, Seen, StoredResults, Target, WriteOutcome, current_rv};
+use super::columns::{has_result_rows, result_rows};
+use super::decision::{Decided, Mutation, Seen, Target, WriteOutcome, current_rv};
 use super::group_commit::{Admission, OwnedTarget, Presumed};
 use super::prepared::Prepared;
+use super::result_diff::none_can_stay;
 use super::{Store, StoreError, parse_document};
 
 /// A decision that took longer than this is not made again inside a round.
@@ -205,51 +206,20 @@ impl Store {
                 }),
                 Mutation::Delete | Mutation::Unchanged => None,
             };
+            let none_stay = match (&current, &prepared) {
+                (Some(old), Some(new)) if has_result_rows(target.resource) => {
+                    none_can_stay(&result_rows(target.resource, old), &new.results)
+                }
+                _ => false,
+            };
             decided.push(Decided {
                 mutation,
                 current,
                 prepared,
+                none_stay,
             });
         }
         Ok(decided)
-    }
-}
-
-impl Store {
-    /// The result rows of the reports `decided` replaces, read after the rows (`(id, rv)` per
-    /// target) it decided on: the round takes them instead of reading them under its lock when
-    /// the report is still at that version (see [`StoredResults`]).
-    async fn read_replaced_results(
-        &self,
-        targets: &[OwnedTarget],
-        rows: &[Option<(i64, i64)>],
-        decided: &[Decided],
-    ) -> Result<Vec<Option<StoredResults>>, StoreError> {
-        let replaced: Vec<Option<(i64, i64)>> = targets
-            .iter()
-            .zip(rows)
-            .zip(decided)
-            .map(|((target, row), decided)| match decided.mutation {
-                Mutation::Put(_) if has_result_rows(target.resource()) => *row,
-                _ => None,
-            })
-            .collect();
-        let ids: Vec<i64> = replaced.iter().flatten().map(|(id, _)| *id).collect();
-        if ids.is_empty() {
-            return Ok(replaced.iter().map(|_| None).collect());
-        }
-        let read = self.result_rows_of(self.connection(), &ids);
-        let mut by_report = self.unless_outage(read).await?;
-        Ok(replaced
-            .into_iter()
-            .map(|row| {
-                row.map(|(id, rv)| StoredResults {
-                    id,
-                    rv,
-                    rows: by_report.remove(&id).unwrap_or_default(),
-                })
-            })
-            .collect())
     }
 }
 

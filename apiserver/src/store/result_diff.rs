@@ -13,13 +13,39 @@
 //! `ordinal` is therefore a slot in the report, unique per report, not the result's position:
 //! new rows take the slots freed by removed ones first, then slots after the highest.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use sea_orm::QueryResult;
 use sea_orm::sea_query::Expr;
 
 use super::StoreError;
 use super::columns::ResultRow;
+
+/// What a round knows of a report's stored `results` rows before it replaces the report.
+#[derive(Debug)]
+pub(super) enum StoredRows {
+    /// The rows with their slots, as read (empty: none, or not read because not replaced).
+    Read(Vec<(i32, ResultColumns)>),
+    /// None of them can stay (see [`none_can_stay`]): they go by report, unread.
+    NoneStay,
+}
+
+impl Default for StoredRows {
+    fn default() -> Self {
+        StoredRows::Read(Vec::new())
+    }
+}
+
+/// Whether no row of a report's new version can equal a row stored for its previous version
+/// `old` (the rows cut from the body the writer read): then the diff clears, and the stored
+/// rows need not be read — a Kyverno rescan stamps every result with a new timestamp, so its
+/// updates never read them. Comparing rows by rule key rather than rule id loses nothing: a
+/// key has one id. And should the stored rows differ from `old`'s (cut by a release that cut
+/// them differently), clearing is still a correct diff, only not the smallest.
+pub(super) fn none_can_stay(old: &[ResultRow], new: &[ResultRow]) -> bool {
+    let old: HashSet<&ResultRow> = old.iter().collect();
+    !new.iter().any(|row| old.contains(row))
+}
 
 /// A `results` row but for its report and slot: what the diff compares.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -129,6 +155,19 @@ pub(super) struct ResultDiff {
     /// No stored row stays (a Kyverno rescan stamps every timestamp anew): the rows can go by
     /// report, one index range, rather than slot by slot.
     pub clears: bool,
+}
+
+/// The diff from what is known of the `stored` rows to `new` (the new version's rows, in
+/// order).
+pub(super) fn diff_from(stored: &StoredRows, new: Vec<ResultColumns>) -> ResultDiff {
+    match stored {
+        StoredRows::Read(rows) => diff(rows, new),
+        StoredRows::NoneStay => ResultDiff {
+            removed: Vec::new(),
+            added: all_new(new),
+            clears: true,
+        },
+    }
 }
 
 /// The diff from `stored` (slot, row) to `new` (the new version's rows, in order).
@@ -272,6 +311,39 @@ mod tests {
         let slots: Vec<i32> = d.added.iter().map(|(s, _)| *s).collect();
         assert_eq!(slots, vec![0, 1]);
         assert!(!diff(&[], vec![row(0, "pass", "a")]).clears);
+    }
+
+    #[test]
+    fn a_rescan_that_stamps_new_timestamps_needs_no_stored_row_read() {
+        use reports_server_crds::catalog::POLICY_REPORT;
+        use serde_json::json;
+
+        use crate::store::columns::result_rows;
+
+        let report = |seconds: i64, rules: &[&str]| {
+            let results: Vec<_> = rules
+                .iter()
+                .map(|rule| {
+                    json!({"policy": "p", "rule": rule, "result": "pass", "source": "kyverno",
+                        "timestamp": {"seconds": seconds, "nanos": 0}})
+                })
+                .collect();
+            result_rows(&POLICY_REPORT, &json!({"results": results}))
+        };
+        let old = report(1, &["a", "b"]);
+        assert!(none_can_stay(&old, &report(2, &["a", "b"])));
+        assert!(none_can_stay(&[], &report(2, &["a"])));
+        assert!(!none_can_stay(&old, &report(1, &["b", "c"])));
+        let d = diff_from(
+            &StoredRows::NoneStay,
+            vec![row(0, "pass", "a"), row(1, "fail", "b")],
+        );
+        assert!(d.clears);
+        assert!(d.removed.is_empty());
+        assert_eq!(
+            d.added.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
     }
 
     fn any_row() -> impl Strategy<Value = ResultColumns> {

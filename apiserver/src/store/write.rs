@@ -20,7 +20,7 @@ use super::decision::{Applied, Current, Decided, Target, Versioned, version};
 use super::feed::{EventType, NOTIFY_CHANNEL};
 use super::policy_rules::RoundRules;
 use super::prepared::RowParts;
-use super::result_diff::{ResultColumns, ResultDiff, all_new, columns_of, diff};
+use super::result_diff::{ResultColumns, ResultDiff, all_new, columns_of, diff_from};
 use super::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
 use super::statements::{
     KEYS_PER_STATEMENT, OBJECT_COLUMNS, RESULT_COLUMNS, UNIQUE_KEY_COLUMNS, delete_slots,
@@ -463,7 +463,7 @@ impl SideChanges {
         let unchanged = previous.is_some_and(|p| labels_of(p) == labels);
         SideChanges {
             labels: (!unchanged).then_some(labels),
-            results: diff(&current.stored_results, results),
+            results: diff_from(&current.stored_results, results),
         }
     }
 }
