@@ -36,18 +36,29 @@ else
     BIN=$CARGO_TARGET_DIR/release/reports-server
 fi
 
-WORK=${SCALE_MEMORY_DIR:-$(mktemp -d /var/tmp/scale-memory.XXXXXX)}
+MADE_WORK=
+if [[ -n ${SCALE_MEMORY_DIR:-} ]]; then
+    WORK=$SCALE_MEMORY_DIR
+else
+    WORK=$(mktemp -d /var/tmp/scale-memory.XXXXXX)
+    MADE_WORK=1
+fi
 mkdir -p "$WORK/data"
 DATABASE_URL=${2:-sqlite://$WORK/reports.db?mode=rwc}
+if [[ ${SCALE_MEMORY_SEEDED:-0} == 1 && -z ${SCALE_MEMORY_DIR:-} && -z ${2:-} ]]; then
+    log "SCALE_MEMORY_SEEDED=1 needs the seeded database: SCALE_MEMORY_DIR or a DATABASE_URL"
+    exit 2
+fi
 SERVER_PID=
 SAMPLER_PID=
 cleanup() {
-    [[ -n $SAMPLER_PID ]] && kill "$SAMPLER_PID" 2>/dev/null
+    if [[ -n $SAMPLER_PID ]]; then kill "$SAMPLER_PID" 2>/dev/null || true; fi
     if [[ -n $SERVER_PID ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
-        kill "$SERVER_PID"
+        kill "$SERVER_PID" || true
         wait "$SERVER_PID" 2>/dev/null || true
     fi
-    [[ ${SCALE_MEMORY_KEEP:-0} == 1 ]] || rm -rf "$WORK"
+    # Only a directory this script made: SCALE_MEMORY_DIR (a seeded database) stays.
+    if [[ -n $MADE_WORK && ${SCALE_MEMORY_KEEP:-0} != 1 ]]; then rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
 
@@ -55,6 +66,9 @@ if [[ ${SCALE_MEMORY_SEEDED:-0} != 1 ]]; then
     log "loading $REPORTS reports in bulk into $DATABASE_URL (free disk: $(df -h --output=avail "$WORK" | tail -1))"
     "$BIN" bench --phases seed --seed-reports "$REPORTS" --database-url "$DATABASE_URL" --log warn |
         grep '^|'
+fi
+if [[ $DATABASE_URL == sqlite://* ]]; then
+    echo "database file: $(du -h "$WORK"/reports.db* | tr '\n' ' ')"
 fi
 
 # shellcheck source=bench/standalone-server.sh
@@ -84,10 +98,11 @@ bench --phases raw-list --target client-1 >"$WORK/client-1.txt" &
 first=$!
 bench --phases raw-list --target client-2 >"$WORK/client-2.txt" &
 second=$!
-wait "$first" "$second"
-kill "$SAMPLER_PID"
+wait "$first"
+wait "$second"
+kill "$SAMPLER_PID" 2>/dev/null || true
 SAMPLER_PID=
-grep -h 'raw_list_seconds\|paginated list' "$WORK/client-1.txt" "$WORK/client-2.txt" || true
+grep -h 'paginated list\|CPU of server' "$WORK/client-1.txt" "$WORK/client-2.txt" || true
 echo "two clients paging through all $REPORTS at once: both done in $((SECONDS - started)) s; server VmRSS at most $(sort -n "$WORK/rss.samples" | tail -1 | awk '{ printf "%.1f", $1 / 1024 }') MiB in $(wc -l <"$WORK/rss.samples") samples; now $(sample)"
 
 log "one client: list, raw-list, metadata-list, watcher-sync"

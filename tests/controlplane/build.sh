@@ -189,11 +189,11 @@ fi
 # command then dies of SIGPIPE writing its next line, and pipefail fails the check (seen with
 # etcd's four-line --version).
 for c in "${KUBE_CMDS[@]}"; do
-    reported=$("$NEW/$c" --version)
+    reported=$("$NEW/$c" --version) || die "$c --version failed"
     [[ $reported == *"v$KUBE_VERSION"* ]] || die "$c --version does not report v$KUBE_VERSION: $reported"
 done
 if [[ $TARGET == controlplane ]]; then
-    reported=$("$NEW/etcd" --version)
+    reported=$("$NEW/etcd" --version) || die "etcd --version failed"
     [[ $reported == *"$ETCD_VERSION"* ]] || die "etcd --version does not report $ETCD_VERSION: $reported"
 fi
 

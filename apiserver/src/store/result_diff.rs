@@ -39,9 +39,10 @@ impl Default for StoredRows {
 /// Whether no row of a report's new version can equal a row stored for its previous version
 /// `old` (the rows cut from the body the writer read): then the diff clears, and the stored
 /// rows need not be read — a Kyverno rescan stamps every result with a new timestamp, so its
-/// updates never read them. Comparing rows by rule key rather than rule id loses nothing: a
-/// key has one id. And should the stored rows differ from `old`'s (cut by a release that cut
-/// them differently), clearing is still a correct diff, only not the smallest.
+/// updates never read them. Comparing rows by rule key rather than rule id loses nothing: an
+/// id has one key, so rows whose keys differ have different ids too. And should the stored
+/// rows differ from `old`'s (cut by a release that cut them differently), clearing is still a
+/// correct diff, only not the smallest.
 pub(super) fn none_can_stay(old: &[ResultRow], new: &[ResultRow]) -> bool {
     let old: HashSet<&ResultRow> = old.iter().collect();
     !new.iter().any(|row| old.contains(row))
@@ -171,7 +172,7 @@ pub(super) fn diff_from(stored: &StoredRows, new: Vec<ResultColumns>) -> ResultD
 }
 
 /// The diff from `stored` (slot, row) to `new` (the new version's rows, in order).
-pub(super) fn diff(stored: &[(i32, ResultColumns)], new: Vec<ResultColumns>) -> ResultDiff {
+fn diff(stored: &[(i32, ResultColumns)], new: Vec<ResultColumns>) -> ResultDiff {
     let next_free = stored.iter().map(|(slot, _)| slot + 1).max().unwrap_or(0);
     let mut slots_of: HashMap<&ResultColumns, Vec<i32>> = HashMap::with_capacity(stored.len());
     for (slot, row) in stored {

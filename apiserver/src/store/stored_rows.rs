@@ -7,8 +7,14 @@
 //! and the round takes that read when the report is still at the version read. That is sound
 //! because a report's rows change only in the commit that changes its version, and the writer
 //! read them after it read the version: rows newer than that version imply a newer version,
-//! which the round sees. The round reads the rest (writers that decided again inside a round,
-//! retries) in one statement.
+//! which the round sees. Two things this rests on: both reads go to the primary (the store's
+//! own pool; there are no replica reads), and nothing writes `results` rows without a new
+//! version of their report (a data migration that rewrites them must bump the versions or run
+//! with no server up). The round reads the rest (writers that decided again inside a round,
+//! retries) itself, a few hundred reports per statement.
+//!
+//! The writer's read is an optimization: when it fails for any reason but an outage, the
+//! writer goes on without it and the round reads the rows.
 
 use std::collections::HashSet;
 
@@ -56,7 +62,14 @@ impl Store {
             return Ok(replaced.iter().map(|_| None).collect());
         }
         let read = self.result_rows_of(self.connection(), &ids);
-        let mut by_report = self.unless_outage(read).await?;
+        let mut by_report = match self.unless_outage(read).await {
+            Ok(by_report) => by_report,
+            Err(e) if e.is_unavailable() => return Err(e),
+            Err(e) => {
+                tracing::debug!(error = %e, "reading the rows an update replaces failed; the round reads them");
+                return Ok(replaced.iter().map(|_| None).collect());
+            }
+        };
         Ok(replaced
             .into_iter()
             .map(|row| {
