@@ -188,10 +188,6 @@ impl OwnedTarget {
         Ok(owned)
     }
 
-    pub(super) fn resource(&self) -> &'static ResourceDescriptor {
-        self.resource
-    }
-
     fn target(&self) -> Target<'_> {
         Target {
             resource: self.resource,

@@ -119,7 +119,7 @@ impl Store {
                 .collect();
             let decided = self.decide_on(targets, seen, &mut decide)?;
             let cheap = began.elapsed() <= INSIDE_DECISION_BUDGET;
-            let stored = self.read_replaced_results(&owned, &rows, &decided).await?;
+            let stored = self.read_replaced_results(targets, &rows, &decided).await?;
             let presumed = Presumed {
                 versions: rows.iter().map(|r| r.map(|(_, rv)| rv)).collect(),
                 decided,

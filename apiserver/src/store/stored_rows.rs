@@ -22,8 +22,7 @@ use reports_server_crds::ResourceDescriptor;
 use sea_orm::DatabaseTransaction;
 
 use super::columns::has_result_rows;
-use super::decision::{Current, Decided, Mutation, StoredResults};
-use super::group_commit::OwnedTarget;
+use super::decision::{Current, Decided, Mutation, StoredResults, Target};
 use super::result_diff::StoredRows;
 use super::{Store, StoreError};
 
@@ -42,7 +41,7 @@ impl Store {
     /// the report is still at that version (see the module doc).
     pub(super) async fn read_replaced_results(
         &self,
-        targets: &[OwnedTarget],
+        targets: &[Target<'_>],
         rows: &[Option<(i64, i64)>],
         decided: &[Decided],
     ) -> Result<Vec<Option<StoredResults>>, StoreError> {
@@ -51,9 +50,7 @@ impl Store {
             .zip(rows)
             .zip(decided)
             .map(|((target, row), decided)| match decided.mutation {
-                Mutation::Put(_) if has_result_rows(target.resource()) && !decided.none_stay => {
-                    *row
-                }
+                Mutation::Put(_) if has_result_rows(target.resource) && !decided.none_stay => *row,
                 _ => None,
             })
             .collect();
