@@ -21,10 +21,8 @@ PORT=${IDLE_RSS_PORT:-18643}
 IDLE_SECONDS=${IDLE_RSS_SECONDS:-30}
 
 log() { printf '[idle-rss] %s\n' "$*" >&2; }
-command -v kubectl >/dev/null || {
-    log "kubectl is needed (apt-get install kubectl, or any kubectl on PATH)"
-    exit 1
-}
+# shellcheck source=bench/standalone-server.sh
+source "$ROOT/bench/standalone-server.sh"
 
 WORK=$(mktemp -d /tmp/idle-rss.XXXXXX)
 DATABASE_URL=${2:-sqlite://$WORK/reports.db?mode=rwc}
@@ -41,8 +39,6 @@ trap 'stop_server; rm -rf "$WORK"' EXIT
 log "building reports-server (release, --features bench)"
 (cd "$ROOT" && cargo build --release --features bench --bin reports-server)
 
-# shellcheck source=bench/standalone-server.sh
-source "$ROOT/bench/standalone-server.sh"
 
 # "<VmRSS MiB> (VmHWM <MiB>, anonymous <MiB>), change feed buffer <bytes> bytes"
 sample() {

@@ -23,10 +23,8 @@ PORT=${SCALE_MEMORY_PORT:-18644}
 IDLE_SECONDS=${SCALE_MEMORY_IDLE_SECONDS:-30}
 
 log() { printf '[scale-memory] %s\n' "$*" >&2; }
-command -v kubectl >/dev/null || {
-    log "kubectl is needed (apt-get install kubectl, or any kubectl on PATH)"
-    exit 1
-}
+# shellcheck source=bench/standalone-server.sh
+source "$ROOT/bench/standalone-server.sh"
 
 if [[ -n ${SCALE_MEMORY_BIN:-} ]]; then
     BIN=$SCALE_MEMORY_BIN
@@ -71,8 +69,6 @@ if [[ $DATABASE_URL == sqlite://* ]]; then
     echo "database file: $(du -h "$WORK"/reports.db* | tr '\n' ' ')"
 fi
 
-# shellcheck source=bench/standalone-server.sh
-source "$ROOT/bench/standalone-server.sh"
 start_server
 
 # "<VmRSS MiB> (VmHWM <MiB>, anonymous <MiB>)"

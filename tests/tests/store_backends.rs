@@ -1528,6 +1528,19 @@ async fn an_update_leaves_the_result_rows_a_create_of_the_same_report_writes() {
     }
 }
 
+/// Gives `report` `count` copies of its first result, the i-th with message `result {i}` and
+/// then `edit(i, result)`.
+fn with_results(report: &mut Value, count: usize, edit: impl Fn(usize, &mut Value)) {
+    let one = report["results"][0].clone();
+    let results = (0..count).map(|i| {
+        let mut r = one.clone();
+        r["message"] = json!(format!("result {i}"));
+        edit(i, &mut r);
+        r
+    });
+    report["results"] = Value::Array(results.collect());
+}
+
 /// Eight writers editing one report at once: most find it changed when their round comes and
 /// decide again on what is current, so the result rows they read beside their first decision
 /// are stale and the round must read the current ones. The rows are then those a create of the
@@ -1535,16 +1548,7 @@ async fn an_update_leaves_the_result_rows_a_create_of_the_same_report_writes() {
 async fn racing_updates_of_one_report(store: &Store, backend: Backend) {
     let mut seed = report("race", 1, &[]);
     seed["metadata"]["namespace"] = json!("racing");
-    let one = seed["results"][0].clone();
-    seed["results"] = json!(
-        (0..12)
-            .map(|i| {
-                let mut r = one.clone();
-                r["message"] = json!(format!("result {i}"));
-                r
-            })
-            .collect::<Vec<_>>()
-    );
+    with_results(&mut seed, 12, |_, _| {});
     put(store, "racing", "r-00001", seed).await;
     let writers: Vec<_> = (0..8)
         .map(|writer| {
@@ -1590,17 +1594,9 @@ async fn big_reports_with_most_results_changed(store: &Store, backend: Backend) 
     let version = |n: u64, seconds: i64| {
         let mut v = report("big", n, &[]);
         v["metadata"]["namespace"] = json!("big");
-        let one = v["results"][0].clone();
-        v["results"] = json!(
-            (0..1000)
-                .map(|i| {
-                    let mut r = one.clone();
-                    r["message"] = json!(format!("result {i}"));
-                    r["timestamp"]["seconds"] = json!(if i < 950 { seconds } else { 1 });
-                    r
-                })
-                .collect::<Vec<_>>()
-        );
+        with_results(&mut v, 1000, |i, r| {
+            r["timestamp"]["seconds"] = json!(if i < 950 { seconds } else { 1 });
+        });
         v
     };
     for seconds in [1_700_000_000, 1_800_000_000] {

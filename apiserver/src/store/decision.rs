@@ -185,6 +185,12 @@ impl Applied {
 }
 
 impl Decided {
+    /// Whether this is a put of a report that keeps `results` rows: what a replacement's rows
+    /// are diffed for.
+    pub(super) fn puts_result_rows(&self, resource: &ResourceDescriptor) -> bool {
+        matches!(self.mutation, Mutation::Put(_)) && super::columns::has_result_rows(resource)
+    }
+
     /// The outcome the writer sees: the object as written (a delete's last state, with the
     /// deletion's resourceVersion), or as it was when nothing changed.
     pub(super) fn into_outcome(self, applied: Applied) -> WriteOutcome {

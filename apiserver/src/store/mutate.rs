@@ -18,7 +18,7 @@ use reports_server_crds::ResourceDescriptor;
 use serde_json::Value;
 
 use super::EventType::{Added, Deleted, Modified};
-use super::columns::{has_result_rows, result_rows};
+use super::columns::result_rows;
 use super::decision::{Decided, Mutation, Seen, Target, WriteOutcome, current_rv};
 use super::group_commit::{Admission, OwnedTarget, Presumed};
 use super::prepared::Prepared;
@@ -206,18 +206,19 @@ impl Store {
                 }),
                 Mutation::Delete | Mutation::Unchanged => None,
             };
-            let none_stay = match (&current, &prepared) {
-                (Some(old), Some(new)) if has_result_rows(target.resource) => {
-                    none_can_stay(&result_rows(target.resource, old), &new.results)
-                }
-                _ => false,
-            };
-            decided.push(Decided {
+            let mut decision = Decided {
                 mutation,
                 current,
                 prepared,
-                none_stay,
-            });
+                none_stay: false,
+            };
+            if let (Some(old), Some(new)) = (&decision.current, &decision.prepared)
+                && decision.puts_result_rows(target.resource)
+            {
+                decision.none_stay =
+                    none_can_stay(&result_rows(target.resource, old), &new.results);
+            }
+            decided.push(decision);
         }
         Ok(decided)
     }

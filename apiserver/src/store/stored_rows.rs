@@ -21,8 +21,7 @@ use std::collections::HashSet;
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::DatabaseTransaction;
 
-use super::columns::has_result_rows;
-use super::decision::{Current, Decided, Mutation, StoredResults, Target};
+use super::decision::{Current, Decided, StoredResults, Target};
 use super::result_diff::StoredRows;
 use super::{Store, StoreError};
 
@@ -49,14 +48,18 @@ impl Store {
             .iter()
             .zip(rows)
             .zip(decided)
-            .map(|((target, row), decided)| match decided.mutation {
-                Mutation::Put(_) if has_result_rows(target.resource) && !decided.none_stay => *row,
-                _ => None,
+            .map(|((target, row), decided)| {
+                row.filter(|_| decided.puts_result_rows(target.resource) && !decided.none_stay)
             })
             .collect();
         let ids: Vec<i64> = replaced.iter().flatten().map(|(id, _)| *id).collect();
+        let unread = || {
+            std::iter::repeat_with(|| None)
+                .take(replaced.len())
+                .collect()
+        };
         if ids.is_empty() {
-            return Ok(replaced.iter().map(|_| None).collect());
+            return Ok(unread());
         }
         let read = self.result_rows_of(self.connection(), &ids);
         let mut by_report = match self.unless_outage(read).await {
@@ -64,7 +67,7 @@ impl Store {
             Err(e) if e.is_unavailable() => return Err(e),
             Err(e) => {
                 tracing::debug!(error = %e, "reading the rows an update replaces failed; the round reads them");
-                return Ok(replaced.iter().map(|_| None).collect());
+                return Ok(unread());
             }
         };
         Ok(replaced
@@ -86,9 +89,7 @@ impl Store {
         txn: &DatabaseTransaction,
         mut replaced: Vec<Replaced<'_>>,
     ) -> Result<(), StoreError> {
-        replaced.retain(|r| {
-            matches!(r.decided.mutation, Mutation::Put(_)) && has_result_rows(r.resource)
-        });
+        replaced.retain(|r| r.decided.puts_result_rows(r.resource));
         let mut unread = HashSet::new();
         for r in &mut replaced {
             match r.read.take() {
