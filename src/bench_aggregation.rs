@@ -9,11 +9,20 @@
 //! policy reports are then listed and checked: exactly 19 results per pod, the background results
 //! (newer) everywhere, summaries matching. Prints figures; asserts only correctness.
 //!
+//! A storm of background scans (Kyverno's reports controller rescanning every resource, as in
+//! kyverno/kyverno#10761) is `--scans N --admission false`: N passes over every pod, each writing
+//! the pod's background report anew (created, or replaced while it still waits for the merge, as
+//! Kyverno's scanner does), each pass newer than the last. Besides the rates, the run samples
+//! what waits (ephemeral reports written but not yet merged, namespaces queued) and the
+//! process's memory, and reports how long after the last write every policy report was current.
+//!
 //! Peak memory is the process's VmHWM (server, aggregator and client together). With
 //! `--layout both` each layout runs in a child process of its own, so that each gets its own peak.
 
 use std::collections::{BTreeMap, HashSet};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -44,9 +53,17 @@ pub enum LayoutChoice {
 
 #[derive(Args, Debug)]
 pub struct BenchAggregationArgs {
-    /// Pods; each gets one admission and one background ephemeral report (~7 KB each).
+    /// Pods; each gets one admission and `--scans` background ephemeral reports (~7 KB each).
     #[arg(long, env = "REPORTS_SERVER_BENCH_PODS", default_value_t = 5_000)]
     pods: u64,
+    /// Background scans of every pod, one pass over all pods after another; each writes the
+    /// pod's background report anew with newer results.
+    #[arg(long, env = "REPORTS_SERVER_BENCH_SCANS", default_value_t = 1)]
+    scans: u64,
+    /// Whether every pod also gets an admission report (`--admission false`: a background-scan
+    /// storm only).
+    #[arg(long, env = "REPORTS_SERVER_BENCH_ADMISSION", default_value_t = true, action = clap::ArgAction::Set)]
+    admission: bool,
     /// Namespaces the pods are spread over.
     #[arg(long, env = "REPORTS_SERVER_BENCH_NAMESPACES", default_value_t = 50)]
     namespaces: u64,
@@ -84,6 +101,9 @@ struct Figures {
     create_secs: f64,
     total_secs: f64,
     ephemerals: u64,
+    /// Rescans that found their report still waiting for the merge and replaced it.
+    replaced: u64,
+    waiting: Peaks,
     final_reports: usize,
     results: usize,
     results_written: u64,
@@ -97,12 +117,18 @@ impl Figures {
             .peak_rss_kib
             .map_or_else(|| "n/a".into(), |k| format!("{:.0} MiB", k as f64 / 1024.0));
         format!(
-            "| {} | {} | {:.1} s | {:.1} s | {:.0} | {} | {} | {} | {rss} | {} |",
+            "| {} | {} ({} replaced) | {:.1} s | {:.0} | {:.1} s | {:.1} s | {:.0} | {} | {} | {} | {} | {} | {} | {rss} | {} |",
             self.layout,
             self.ephemerals,
+            self.replaced,
             self.create_secs,
+            self.ephemerals as f64 / self.create_secs,
             self.total_secs,
-            self.ephemerals as f64 / self.total_secs,
+            self.total_secs - self.create_secs,
+            (self.ephemerals - self.replaced) as f64 / self.total_secs,
+            self.waiting.reports,
+            self.waiting.namespaces,
+            self.waiting.rss_kib / 1024,
             self.final_reports,
             self.results,
             self.results_written,
@@ -111,7 +137,7 @@ impl Figures {
     }
 }
 
-const HEADER: &str = "| layout | ephemeral reports | create phase | until all consumed | ephemeral reports/s consumed | policy reports | results in them | results written (all passes) | peak RSS | report writes (create+update+delete) |\n|---|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| layout | ephemeral reports written | write phase | written/s | until all consumed | current after the last write | ephemeral reports/s consumed (written, not replaced) | most waiting to be merged | most namespaces queued | most RSS sampled (MiB) | policy reports | results in them | results written (all passes) | peak RSS | report writes (create+update+delete) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 pub async fn run(args: BenchAggregationArgs) -> anyhow::Result<()> {
     let layouts = match args.layout {
@@ -217,25 +243,31 @@ async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<
         None,
         server.shutdown_token(),
     ));
-    let ephemerals = args.pods * 2;
+    let ephemerals = ephemerals_of(args);
     eprintln!(
-        "{layout}: {} pods in {} namespaces, {ephemerals} ephemeral reports of ~{} bytes, backend {:?}, aggregation delay {:?}, {} workers",
+        "{layout}: {} pods in {} namespaces, {} scans, admission reports {}, {ephemerals} ephemeral reports of ~{} bytes, backend {:?}, aggregation delay {:?}, {} workers",
         args.pods,
         args.namespaces,
+        args.scans,
+        args.admission,
         serde_json::to_vec(&admission_report(&Subject::pod("ns-0", 0), 0))?.len(),
         server.store.backend(),
         args.aggregation_delay,
         args.aggregation_workers
     );
 
+    let written = Arc::new(Written::default());
+    let sampler = Sampler::start(written.clone(), metrics.clone());
     let started = Instant::now();
-    create_ephemerals(args, &client, &metrics).await?;
+    create_ephemerals(args, &client, &metrics, &written).await?;
     let create_secs = started.elapsed().as_secs_f64();
-    wait_until_consumed(args, layout, &client, &metrics, started).await?;
+    let to_consume = written.to_consume();
+    wait_until_consumed(args, layout, &client, &metrics, to_consume, started).await?;
     let total_secs = started.elapsed().as_secs_f64();
-    eprintln!("\r  consumed {ephemerals}/{ephemerals} after {total_secs:.1} s");
+    let waiting = sampler.stop().await;
+    eprintln!("\r  consumed {to_consume}/{to_consume} after {total_secs:.1} s");
 
-    let (final_reports, results) = verify(&client, layout, args.pods).await?;
+    let (final_reports, results) = verify(&client, layout, args.pods, last_scan(args)).await?;
     let writes = [Operation::Create, Operation::Update, Operation::Delete]
         .into_iter()
         .map(|operation| {
@@ -250,6 +282,8 @@ async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<
         create_secs,
         total_secs,
         ephemerals,
+        replaced: written.replaced.load(Ordering::Relaxed),
+        waiting,
         final_reports,
         results,
         results_written: metrics.results_merged.get(),
@@ -259,65 +293,166 @@ async fn run_one(args: &BenchAggregationArgs, layout: Layout) -> anyhow::Result<
     server.shutdown().await;
     let _ = aggregation.await;
     eprintln!(
-        "{layout}: every pod has its 19 results exactly once, background (newer) results won, summaries match"
+        "{layout}: every pod has its 19 results exactly once, the last scan's (newest) results won, summaries match"
     );
     Ok(figures)
 }
 
-/// Creates an admission and a (newer) background ephemeral report per pod, with progress.
+fn ephemerals_of(args: &BenchAggregationArgs) -> u64 {
+    args.pods * (args.scans.max(1) + u64::from(args.admission))
+}
+
+/// The timestamp of the last background scan's results: the newest, which must win.
+fn last_scan(args: &BenchAggregationArgs) -> i64 {
+    T0 + 30 + i64::try_from(args.scans.max(1) - 1).unwrap_or(i64::MAX - T0 - 30)
+}
+
+/// Ephemeral reports written so far; a rescan that replaced a report still waiting for the
+/// merge wrote no new report to consume.
+#[derive(Default)]
+struct Written {
+    all: AtomicU64,
+    replaced: AtomicU64,
+}
+
+impl Written {
+    fn to_consume(&self) -> u64 {
+        let replaced = self.replaced.load(Ordering::Relaxed);
+        self.all.load(Ordering::Relaxed).saturating_sub(replaced)
+    }
+}
+
+/// Writes every pass of ephemeral reports, with progress: pass 0 the admission reports (if
+/// any) and the first background scan, every further pass one more scan of every pod. Passes
+/// run one after another, so that a pod's scans reach the server in order.
 async fn create_ephemerals(
     args: &BenchAggregationArgs,
     client: &kube::Client,
     metrics: &Metrics,
+    written: &Written,
 ) -> anyhow::Result<()> {
-    let ephemerals = args.pods * 2;
+    let ephemerals = ephemerals_of(args);
     let namespaces = args.namespaces.max(1);
-    let mut creates = futures::stream::iter(0..args.pods)
-        .flat_map(|i| futures::stream::iter([(i, true), (i, false)]))
-        .map(|(i, admission)| {
-            let ns = format!("ns-{}", i % namespaces);
-            let api: Api<EphemeralReport> = Api::namespaced(client.clone(), &ns);
-            async move {
-                let subject = Subject::pod(&ns, i);
-                let report = if admission {
-                    admission_report(&subject, i)
-                } else {
-                    // The background scan ran later and found one rule failing.
-                    pss_ephemeral_report(
-                        &subject,
-                        T0 + 30,
-                        &[(i % PSS_RULES.len() as u64) as usize],
-                    )
-                };
-                api.create(&PostParams::default(), &report).await
+    for scan in 0..args.scans.max(1) {
+        let admission = args.admission && scan == 0;
+        let mut writes = futures::stream::iter(0..args.pods)
+            .flat_map(|i| {
+                let kinds: &[bool] = if admission { &[true, false] } else { &[false] };
+                futures::stream::iter(kinds.iter().map(move |&a| (i, a)))
+            })
+            .map(|(i, admission)| {
+                let ns = format!("ns-{}", i % namespaces);
+                let api: Api<EphemeralReport> = Api::namespaced(client.clone(), &ns);
+                async move {
+                    let subject = Subject::pod(&ns, i);
+                    if admission {
+                        api.create(&PostParams::default(), &admission_report(&subject, i))
+                            .await?;
+                        return Ok(false);
+                    }
+                    // Each scan runs later than the last and finds another rule failing.
+                    let failing = ((i + scan) % PSS_RULES.len() as u64) as usize;
+                    let timestamp = T0 + 30 + i64::try_from(scan)?;
+                    write_scan(&api, pss_ephemeral_report(&subject, timestamp, &[failing])).await
+                }
+            })
+            .buffer_unordered(args.concurrency.max(1));
+        while let Some(result) = writes.next().await {
+            if result.context("write failed")? {
+                written.replaced.fetch_add(1, Ordering::Relaxed);
             }
-        })
-        .buffer_unordered(args.concurrency.max(1));
-    let mut created = 0u64;
-    while let Some(result) = creates.next().await {
-        result.context("create failed")?;
-        created += 1;
-        if created.is_multiple_of(1000) || created == ephemerals {
-            eprint!(
-                "\r  created {created}/{ephemerals}, consumed {}",
-                metrics.ephemeral_reports_deleted.get()
-            );
+            let done = written.all.fetch_add(1, Ordering::Relaxed) + 1;
+            if done.is_multiple_of(1000) || done == ephemerals {
+                eprint!(
+                    "\r  written {done}/{ephemerals} (scan {}/{}), consumed {}",
+                    scan + 1,
+                    args.scans.max(1),
+                    metrics.ephemeral_reports_deleted.get()
+                );
+            }
         }
     }
     eprintln!();
     Ok(())
 }
 
-/// Waits until the merge consumed every ephemeral report (confirmed through the API), or
+/// Writes one background scan's report as Kyverno's scanner does: created, or, while the
+/// previous scan's report still waits for the merge, replaced. Returns whether it replaced.
+async fn write_scan(
+    api: &Api<EphemeralReport>,
+    mut report: EphemeralReport,
+) -> anyhow::Result<bool> {
+    let name = report.metadata.name.clone().unwrap_or_default();
+    loop {
+        match api.create(&PostParams::default(), &report).await {
+            Ok(_) => return Ok(false),
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(e.into()),
+        }
+        // Still waiting: replace it, unless the merge consumes it meanwhile (then create again).
+        let Some(current) = api.get_opt(&name).await? else {
+            continue;
+        };
+        report.metadata.resource_version = current.metadata.resource_version;
+        match api.replace(&name, &PostParams::default(), &report).await {
+            Ok(_) => return Ok(true),
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// What waits while the storm runs, sampled every 100 ms: the most ephemeral reports written
+/// but not yet consumed, the most namespaces queued for a merge, the most resident memory.
+#[derive(Clone, Copy, Debug, Default)]
+struct Peaks {
+    reports: u64,
+    namespaces: i64,
+    rss_kib: u64,
+}
+
+struct Sampler {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Peaks>,
+}
+
+impl Sampler {
+    fn start(written: Arc<Written>, metrics: Metrics) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut peaks = Peaks::default();
+            while !stopped.load(Ordering::Relaxed) {
+                let consumed = metrics.ephemeral_reports_deleted.get();
+                let waiting = written.to_consume().saturating_sub(consumed);
+                peaks.reports = peaks.reports.max(waiting);
+                peaks.namespaces = peaks.namespaces.max(metrics.queue_depth.get());
+                if let Ok((rss, _)) = memory() {
+                    peaks.rss_kib = peaks.rss_kib.max(rss / 1024);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            peaks
+        });
+        Sampler { stop, task }
+    }
+
+    async fn stop(self) -> Peaks {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.unwrap_or_default()
+    }
+}
+
+/// Waits until the merge consumed all `ephemerals` reports (confirmed through the API), or
 /// fails after `--timeout` from `started`.
 async fn wait_until_consumed(
     args: &BenchAggregationArgs,
     layout: Layout,
     client: &kube::Client,
     metrics: &Metrics,
+    ephemerals: u64,
     started: Instant,
 ) -> anyhow::Result<()> {
-    let ephemerals = args.pods * 2;
     let all_ephemerals: Api<DynamicObject> = Api::all_with(
         client.clone(),
         &kube::api::ApiResource::erase::<EphemeralReport>(&()),
@@ -349,6 +484,7 @@ async fn verify(
     client: &kube::Client,
     layout: Layout,
     pods: u64,
+    newest: i64,
 ) -> anyhow::Result<(usize, usize)> {
     let api: Api<PolicyReport> = Api::all(client.clone());
     let mut params = ListParams::default().limit(500);
@@ -390,8 +526,8 @@ async fn verify(
                         .and_then(|s| s.uid.clone()),
                 }
                 .context("a result without subject")?;
-                if r.timestamp.as_ref().map(|t| t.seconds) != Some(T0 + 30) {
-                    bail!("{uid}: an older (admission) result won: {r:?}");
+                if r.timestamp.as_ref().map(|t| t.seconds) != Some(newest) {
+                    bail!("{uid}: an older (admission or earlier scan) result won: {r:?}");
                 }
                 let key = (r.policy.clone(), r.rule.clone().unwrap_or_default());
                 if !per_subject.entry(uid.clone()).or_default().insert(key) {

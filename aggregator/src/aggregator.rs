@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{AggregationBackend, InputPage, PageRequest};
+use crate::backend::{AggregationBackend, Applied, InputPage, PageRequest};
 use crate::error::Error;
 use crate::merge::{
     Layout, MergeInput, MergeOptions, MergeStats, Plan, merge_namespace, merge_page,
@@ -42,6 +42,8 @@ pub struct ReconcileOutcome {
     pub updated: usize,
     pub deleted: usize,
     pub ephemerals_deleted: usize,
+    /// Ephemeral reports merged but left in place: rewritten since they were loaded.
+    pub ephemerals_rewritten: usize,
     pub conflicts: usize,
     /// Number of plans applied (one per page with changes).
     pub applies: usize,
@@ -49,11 +51,12 @@ pub struct ReconcileOutcome {
 }
 
 impl ReconcileOutcome {
-    fn add(&mut self, plan: &Plan) {
+    fn add(&mut self, plan: &Plan, applied: Applied) {
         self.created += plan.creates.len();
         self.updated += plan.updates.len();
         self.deleted += plan.deletes.len();
-        self.ephemerals_deleted += plan.ephemeral_deletes.len();
+        self.ephemerals_deleted += plan.ephemeral_deletes.len() - applied.ephemerals_rewritten;
+        self.ephemerals_rewritten += applied.ephemerals_rewritten;
         self.conflicts += plan.conflicts.len();
         self.stats.add(&plan.stats);
     }
@@ -109,33 +112,34 @@ impl<B: AggregationBackend> Aggregator<B> {
             .reconcile_duration
             .observe(started.elapsed().as_secs_f64());
         match &result {
-            Ok(outcome) => {
-                self.metrics
-                    .results_merged
-                    .inc_by(outcome.stats.results_out as u64);
-                self.metrics
-                    .record_written(Operation::Create, outcome.created);
-                self.metrics
-                    .record_written(Operation::Update, outcome.updated);
-                self.metrics
-                    .record_written(Operation::Delete, outcome.deleted);
-                self.metrics
-                    .ephemeral_reports_deleted
-                    .inc_by(outcome.ephemerals_deleted as u64);
-                self.metrics.conflicts.inc_by(outcome.conflicts as u64);
-                if outcome.conflicts > 0 {
-                    tracing::warn!(
-                        namespace,
-                        conflicts = outcome.conflicts,
-                        "reports not written: names taken by reports not managed by kyverno"
-                    );
-                }
+            Ok(outcome) if outcome.conflicts > 0 => {
+                tracing::warn!(
+                    namespace,
+                    conflicts = outcome.conflicts,
+                    "reports not written: names taken by reports not managed by kyverno"
+                );
             }
+            Ok(_) => {}
             Err(_) => {
                 self.metrics.errors.inc();
             }
         }
         result
+    }
+
+    /// Counts what one applied plan wrote, as soon as it is written: the pages of a pass that
+    /// fails later stay written, and the metrics say so.
+    fn record(&self, plan: &Plan, applied: Applied) {
+        let m = &self.metrics;
+        m.results_merged.inc_by(plan.stats.results_out as u64);
+        m.record_written(Operation::Create, plan.creates.len());
+        m.record_written(Operation::Update, plan.updates.len());
+        m.record_written(Operation::Delete, plan.deletes.len());
+        let rewritten = applied.ephemerals_rewritten;
+        m.ephemeral_reports_deleted
+            .inc_by((plan.ephemeral_deletes.len() - rewritten) as u64);
+        m.ephemeral_reports_rewritten.inc_by(rewritten as u64);
+        m.conflicts.inc_by(plan.conflicts.len() as u64);
     }
 
     #[tracing::instrument(name = "load_page", level = "debug", skip_all, fields(continued = token.is_some()))]
@@ -158,7 +162,9 @@ impl<B: AggregationBackend> Aggregator<B> {
 
     #[tracing::instrument(name = "apply_plan", level = "debug", skip_all)]
     async fn apply(&self, plan: &Plan, outcome: &mut ReconcileOutcome) -> Result<(), Error> {
-        if !plan.is_empty() {
+        let applied = if plan.is_empty() {
+            Applied::default()
+        } else {
             tracing::debug!(
                 creates = plan.creates.len(),
                 updates = plan.updates.len(),
@@ -166,10 +172,18 @@ impl<B: AggregationBackend> Aggregator<B> {
                 ephemerals_consumed = plan.ephemeral_deletes.len(),
                 "applying the plan"
             );
-            self.backend.apply(plan).await?;
+            let applied = self.backend.apply(plan).await?;
             outcome.applies += 1;
-        }
-        outcome.add(plan);
+            if applied.ephemerals_rewritten > 0 {
+                tracing::debug!(
+                    rewritten = applied.ephemerals_rewritten,
+                    "ephemeral reports rewritten during the merge: left for the next pass"
+                );
+            }
+            applied
+        };
+        self.record(plan, applied);
+        outcome.add(plan, applied);
         Ok(())
     }
 

@@ -56,6 +56,16 @@ pub struct PageRequest<'a> {
     pub limit: usize,
 }
 
+/// What applying a plan did beyond what the plan says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Consumed ephemeral reports left in place because they were rewritten (a new
+    /// `resourceVersion` or `uid`) after the page was loaded. The plan's other writes stand: they
+    /// are what the merge would have written had the rewrite come just after it, and the rewrite
+    /// enqueued the namespace again, so its newer version is merged by the next pass.
+    pub ephemerals_rewritten: usize,
+}
+
 /// One page of a namespace's inputs.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct InputPage {
@@ -80,9 +90,11 @@ pub trait AggregationBackend: Send + Sync + 'static {
 
     /// Applies a plan atomically: all creates, updates and deletes, and the deletion of the
     /// consumed ephemeral reports, or nothing. Implementations should honour the
-    /// `resourceVersion` carried by updates and deletes (and by ephemeral deletes, so that an
-    /// ephemeral report rewritten since it was loaded is not lost) and return
-    /// [`BackendError::Conflict`] when it does not match. Deleting an object that is already
-    /// gone is not an error.
-    fn apply(&self, plan: &Plan) -> impl Future<Output = Result<(), BackendError>> + Send;
+    /// `resourceVersion` carried by updates and deletes and return [`BackendError::Conflict`]
+    /// when it does not match. An ephemeral report rewritten since it was loaded is not deleted
+    /// (its newer results would be lost) and not an error either: it is counted in
+    /// [`Applied::ephemerals_rewritten`] — under a storm of rescans, failing the whole plan for it
+    /// would fail every pass of a large namespace. Deleting an object that is already gone is
+    /// not an error.
+    fn apply(&self, plan: &Plan) -> impl Future<Output = Result<Applied, BackendError>> + Send;
 }

@@ -42,7 +42,7 @@ pub mod results;
 pub mod sweep;
 
 pub use aggregator::{Aggregator, AggregatorConfig, ReconcileOutcome};
-pub use backend::{AggregationBackend, BackendError, InputPage, PageRequest};
+pub use backend::{AggregationBackend, Applied, BackendError, InputPage, PageRequest};
 pub use error::Error;
 pub use memory::InMemoryBackend;
 pub use merge::{

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
-use crate::backend::{AggregationBackend, BackendError, InputPage, PageRequest};
+use crate::backend::{AggregationBackend, Applied, BackendError, InputPage, PageRequest};
 use crate::merge::Plan;
 use crate::policy::PolicySet;
 use crate::report::{Ephemeral, FinalReport, ObjectKey, ReportKind};
@@ -145,7 +145,7 @@ impl InMemoryBackend {
         page
     }
 
-    fn apply_plan(&self, plan: &Plan) -> Result<(), BackendError> {
+    fn apply_plan(&self, plan: &Plan) -> Result<Applied, BackendError> {
         let mut s = self.lock();
         if s.failures_to_inject > 0 {
             s.failures_to_inject -= 1;
@@ -187,11 +187,17 @@ impl InMemoryBackend {
                 check_rv(key, current.metadata().resource_version.as_deref())?;
             }
         }
-        for key in &plan.ephemeral_deletes {
-            if let Some(current) = s.ephemerals.get(&id_of(key)) {
-                check_rv(key, current.metadata().resource_version.as_deref())?;
-            }
-        }
+        // Rewritten since loaded: kept for the next pass (see `Applied`).
+        let rewritten: BTreeSet<_> = plan
+            .ephemeral_deletes
+            .iter()
+            .filter(|key| {
+                s.ephemerals.get(&id_of(key)).is_some_and(|current| {
+                    check_rv(key, current.metadata().resource_version.as_deref()).is_err()
+                })
+            })
+            .map(id_of)
+            .collect();
         for r in plan.creates.iter().chain(&plan.updates) {
             let mut r = r.clone();
             let rv = s.next_rv();
@@ -204,10 +210,15 @@ impl InMemoryBackend {
             s.reports.remove(&id_of(key));
         }
         for key in &plan.ephemeral_deletes {
-            s.ephemerals.remove(&id_of(key));
+            let id = id_of(key);
+            if !rewritten.contains(&id) {
+                s.ephemerals.remove(&id);
+            }
         }
         s.applies += 1;
-        Ok(())
+        Ok(Applied {
+            ephemerals_rewritten: rewritten.len(),
+        })
     }
 }
 
@@ -220,7 +231,7 @@ impl AggregationBackend for InMemoryBackend {
         Ok(self.page(request))
     }
 
-    async fn apply(&self, plan: &Plan) -> Result<(), BackendError> {
+    async fn apply(&self, plan: &Plan) -> Result<Applied, BackendError> {
         self.apply_plan(plan)
     }
 }

@@ -55,6 +55,9 @@ pub struct Metrics {
     pub reports_written: Family<OperationLabels, Counter>,
     /// Ephemeral reports consumed and deleted.
     pub ephemeral_reports_deleted: Counter,
+    /// Ephemeral reports merged but not deleted: rewritten since the merge loaded them, they
+    /// wait for the next pass.
+    pub ephemeral_reports_rewritten: Counter,
     /// Failed reconciles (each is retried with backoff).
     pub errors: Counter,
     /// Desired reports not written because an unmanaged report holds the name.
@@ -71,6 +74,7 @@ impl Metrics {
             results_merged: Counter::default(),
             reports_written: Family::default(),
             ephemeral_reports_deleted: Counter::default(),
+            ephemeral_reports_rewritten: Counter::default(),
             errors: Counter::default(),
             conflicts: Counter::default(),
         };
@@ -99,6 +103,11 @@ impl Metrics {
             "ephemeral_reports_deleted",
             "Ephemeral reports consumed and deleted",
             m.ephemeral_reports_deleted.clone(),
+        );
+        r.register(
+            "ephemeral_reports_rewritten",
+            "Ephemeral reports rewritten while their namespace was merged: left for the next pass",
+            m.ephemeral_reports_rewritten.clone(),
         );
         r.register(
             "errors",

@@ -17,7 +17,7 @@ use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Client;
 use kube::client::Body;
-use reports_server_aggregator::backend::{AggregationBackend, BackendError};
+use reports_server_aggregator::backend::{AggregationBackend, Applied, BackendError};
 use reports_server_aggregator::cluster::backend::{KubeBackend, KubeBackendConfig};
 use reports_server_aggregator::cluster::runner::enqueue_changed_namespaces;
 use reports_server_aggregator::{
@@ -198,7 +198,7 @@ fn backend(client: Client) -> KubeBackend {
 }
 
 /// Applies `plan` in a task (so that the test can play the API server meanwhile).
-fn apply(client: Client, plan: Plan) -> tokio::task::JoinHandle<Result<(), BackendError>> {
+fn apply(client: Client, plan: Plan) -> tokio::task::JoinHandle<Result<Applied, BackendError>> {
     let backend = backend(client);
     tokio::spawn(async move { backend.apply(&plan).await })
 }
@@ -253,7 +253,37 @@ async fn a_plan_writes_reports_then_deletes_reports_then_deletes_ephemerals() {
     answer(e1_deleted, 200, &success());
     answer(e2_deleted, 404, &failure(404, "NotFound"));
 
-    applying.await.unwrap().expect("the plan applied");
+    let applied = applying.await.unwrap().expect("the plan applied");
+    assert_eq!(applied, Applied::default());
+    api.assert_quiet().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_ephemeral_rewritten_since_loaded_is_left_for_the_next_pass() {
+    let (client, mut api) = mocked_api();
+    let plan = Plan {
+        ephemeral_deletes: vec![
+            key(ReportKind::EphemeralReport, "e1", "uid-e1", "7"),
+            key(ReportKind::EphemeralReport, "e2", "uid-e2", "8"),
+        ],
+        ..Plan::default()
+    };
+    let applying = apply(client, plan);
+    let [(e1, e1_deleted), (e2, e2_deleted)]: [_; 2] = api
+        .next_batch(2)
+        .await
+        .try_into()
+        .expect("two ephemeral deletes");
+    e1.assert_is(Method::DELETE, &format!("{EPHEMERAL_REPORTS}/e1"));
+    e2.assert_is(Method::DELETE, &format!("{EPHEMERAL_REPORTS}/e2"));
+    // The scanner rewrote e2 after the merge loaded it: the precondition fails.
+    answer(e1_deleted, 200, &success());
+    answer(e2_deleted, 409, &failure(409, "Conflict"));
+    let applied = applying
+        .await
+        .unwrap()
+        .expect("a rewritten ephemeral fails nothing");
+    assert_eq!(applied.ephemerals_rewritten, 1);
     api.assert_quiet().await;
 }
 

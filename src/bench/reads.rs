@@ -69,24 +69,29 @@ pub(super) async fn list_raw_all(client: &kube::Client, page_size: u32) -> anyho
     .0)
 }
 
-/// Every stored PolicyReport body, read through the server's own connection: (bodies, bytes
-/// as stored — compressed on SQLite).
+/// Every stored PolicyReport body, read through the server's own connection and dropped as it
+/// arrives (so that a million bodies fit): (bodies, bytes as stored — compressed on SQLite).
 pub(super) async fn read_every_body(store: &Store) -> anyhow::Result<(usize, u64)> {
+    let sqlite = store.backend() == sea_orm::DbBackend::Sqlite;
+    let mut bytes = 0u64;
     let rows = store
-        .query_raw(&format!(
-            "SELECT body FROM objects WHERE cluster_id = '{}' AND resource = '{}'",
-            store.cluster_id(),
-            Store::resource_key(&POLICY_REPORT)
-        ))
+        .for_each_raw_row(
+            &format!(
+                "SELECT body FROM objects WHERE cluster_id = '{}' AND resource = '{}'",
+                store.cluster_id(),
+                Store::resource_key(&POLICY_REPORT)
+            ),
+            |row| {
+                bytes += if sqlite {
+                    row.try_get::<Vec<u8>>("", "body")?.len()
+                } else {
+                    row.try_get::<String>("", "body")?.len()
+                } as u64;
+                Ok(())
+            },
+        )
         .await?;
-    let mut bytes = 0;
-    for row in &rows {
-        bytes += match store.backend() {
-            sea_orm::DbBackend::Sqlite => row.try_get::<Vec<u8>>("", "body")?.len(),
-            _ => row.try_get::<String>("", "body")?.len(),
-        } as u64;
-    }
-    Ok((rows.len(), bytes))
+    Ok((usize::try_from(rows)?, bytes))
 }
 
 /// [`list_all`] as `PartialObjectMetadataList` pages.

@@ -381,7 +381,7 @@ async fn layout_switch_moves_results_between_layouts() {
 }
 
 #[tokio::test]
-async fn a_failed_apply_leaves_everything_untouched() {
+async fn a_failed_apply_leaves_everything_untouched_and_a_rewritten_ephemeral_waits() {
     // Not yet on MariaDB: the merge code (report_merge.rs) is being reworked; run it there after.
     for backend in Backend::SQLITE_AND_POSTGRES {
         let dir = tempfile::tempdir().unwrap();
@@ -412,19 +412,26 @@ async fn a_failed_apply_leaves_everything_untouched() {
         .unwrap();
         assert_eq!((plan.creates.len(), plan.ephemeral_deletes.len()), (4, 4));
 
-        // The last ephemeral report is rewritten after the merge read it: the apply gets as
-        // far as its deletion (after all creates) and must then undo everything.
-        let rewritten = put_ephemeral(&store, &pods[3], T0 + 1, &[2]).await;
+        // A report appears under the name of the plan's last create after the merge read the
+        // namespace: the apply gets as far as that create and must then undo everything.
+        let taken = plan.creates.last().unwrap().name().to_owned();
+        put(
+            &store,
+            &POLICY_REPORT,
+            json!({
+                "apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
+                "metadata": {"name": taken, "namespace": "ns"}
+            }),
+        )
+        .await;
         let (mark, _) = store.versions().await.unwrap();
         let err = store_backend.apply(&plan).await.unwrap_err();
         assert!(
             matches!(err, BackendError::Conflict(_)),
             "{backend:?}: {err}"
         );
-        assert!(list(&store, &POLICY_REPORT, "ns").await.is_empty());
-        let ephemerals = by_name(list(&store, &EPHEMERAL_REPORT, "ns").await);
-        assert_eq!(ephemerals.len(), 4);
-        assert_eq!(rv(&ephemerals[&pods[3].uid]), rewritten);
+        assert_eq!(list(&store, &POLICY_REPORT, "ns").await.len(), 1);
+        assert_eq!(list(&store, &EPHEMERAL_REPORT, "ns").await.len(), 4);
         assert_eq!(store.versions().await.unwrap().0, mark, "{backend:?}");
         assert!(
             read_changes(&store, mark, None, 10)
@@ -432,6 +439,12 @@ async fn a_failed_apply_leaves_everything_untouched() {
                 .unwrap()
                 .is_empty()
         );
+        store
+            .mutate::<StoreError, _>(&POLICY_REPORT, "ns", &taken, false, |_| {
+                Ok(Mutation::Delete)
+            })
+            .await
+            .unwrap();
 
         // A report not managed by Kyverno is never modified or deleted, even if a plan says so.
         let unmanaged = json!({
@@ -452,14 +465,29 @@ async fn a_failed_apply_leaves_everything_untouched() {
         assert!(store_backend.apply(&delete).await.is_err());
         assert_eq!(list(&store, &POLICY_REPORT, "ns").await.len(), 1);
 
-        // The retry reloads and succeeds, with the rewritten report's results.
+        // The last ephemeral report is rewritten after the merge read it: everything merged is
+        // written, and the rewritten report stays, with its newer results, for the next pass.
+        let rewritten = put_ephemeral(&store, &pods[3], T0 + 1, &[2]).await;
+        let applied = store_backend.apply(&plan).await.unwrap();
+        assert_eq!(applied.ephemerals_rewritten, 1, "{backend:?}");
+        // The four merged and the unmanaged `mine`.
+        assert_eq!(list(&store, &POLICY_REPORT, "ns").await.len(), 5);
+        let ephemerals = by_name(list(&store, &EPHEMERAL_REPORT, "ns").await);
+        assert_eq!(ephemerals.len(), 1, "{backend:?}");
+        assert_eq!(rv(&ephemerals[&pods[3].uid]), rewritten);
+
+        // The next pass merges it: the rewritten report's (newer) results win.
         let outcome = aggregator(&store, config(100))
             .reconcile("ns")
             .await
             .unwrap();
         assert_eq!(
-            (outcome.created, outcome.ephemerals_deleted),
-            (4, 4),
+            (
+                outcome.updated,
+                outcome.ephemerals_deleted,
+                outcome.ephemerals_rewritten
+            ),
+            (1, 1, 0),
             "{backend:?}"
         );
         let reports = by_name(list(&store, &POLICY_REPORT, "ns").await);

@@ -34,10 +34,10 @@ use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use tokio::sync::watch;
 
 use super::resources::{
-    api, api_resource, backend_error, ephemeral_kind, from_value, is_not_found, list_all,
-    list_metadata_all, to_value,
+    api, api_resource, backend_error, ephemeral_kind, from_value, is_conflict, is_not_found,
+    list_all, list_metadata_all, to_value,
 };
-use crate::backend::{AggregationBackend, BackendError, InputPage, PageRequest};
+use crate::backend::{AggregationBackend, Applied, BackendError, InputPage, PageRequest};
 use crate::merge::Plan;
 use crate::policy::PolicySet;
 use crate::report::{
@@ -383,6 +383,30 @@ impl KubeBackend {
     }
 
     async fn delete(&self, key: &ObjectKey) -> Result<(), BackendError> {
+        self.delete_at_version(key).await.map_err(|e| {
+            backend_error(
+                format_args!("delete {} {}/{}", key.kind, key.namespace, key.name),
+                e,
+            )
+        })
+    }
+
+    /// Deletes a consumed ephemeral report; `Ok(true)` when it was rewritten since it was
+    /// loaded (409 on the precondition) and is left for the next pass.
+    async fn consume(&self, key: &ObjectKey) -> Result<bool, BackendError> {
+        match self.delete_at_version(key).await {
+            Ok(()) => Ok(false),
+            Err(e) if is_conflict(&e) => Ok(true),
+            Err(e) => Err(backend_error(
+                format_args!("delete {} {}/{}", key.kind, key.namespace, key.name),
+                e,
+            )),
+        }
+    }
+
+    /// Deletes `key` if it still has the `resourceVersion` and `uid` it was loaded with; gone
+    /// already is fine.
+    async fn delete_at_version(&self, key: &ObjectKey) -> Result<(), kube::Error> {
         let params = DeleteParams {
             preconditions: Some(Preconditions {
                 resource_version: key.resource_version.clone(),
@@ -396,10 +420,7 @@ impl KubeBackend {
         {
             Ok(_) => Ok(()),
             Err(e) if is_not_found(&e) => Ok(()),
-            Err(e) => Err(backend_error(
-                format_args!("delete {} {}/{}", key.kind, key.namespace, key.name),
-                e,
-            )),
+            Err(e) => Err(e),
         }
     }
 
@@ -416,7 +437,7 @@ impl KubeBackend {
         results.into_iter().collect()
     }
 
-    async fn apply_plan(&self, plan: &Plan) -> Result<(), BackendError> {
+    async fn apply_plan(&self, plan: &Plan) -> Result<Applied, BackendError> {
         // The order is what makes a crash safe; see the module docs of `cluster`.
         let writes = plan
             .creates
@@ -432,13 +453,20 @@ impl KubeBackend {
                 .collect(),
         )
         .await?;
-        self.run_all(
-            plan.ephemeral_deletes
-                .iter()
-                .map(|k| self.delete(k).boxed())
-                .collect(),
-        )
-        .await
+        let consumes: Vec<BoxFuture<'_, Result<bool, BackendError>>> = plan
+            .ephemeral_deletes
+            .iter()
+            .map(|k| self.consume(k).boxed())
+            .collect();
+        let consumed: Vec<_> = futures::stream::iter(consumes)
+            .buffer_unordered(self.config.concurrency.max(1))
+            .collect()
+            .await;
+        let mut applied = Applied::default();
+        for rewritten in consumed {
+            applied.ephemerals_rewritten += usize::from(rewritten?);
+        }
+        Ok(applied)
     }
 }
 
@@ -451,7 +479,7 @@ impl AggregationBackend for KubeBackend {
         self.page(request).await
     }
 
-    async fn apply(&self, plan: &Plan) -> Result<(), BackendError> {
+    async fn apply(&self, plan: &Plan) -> Result<Applied, BackendError> {
         self.apply_plan(plan).await
     }
 }

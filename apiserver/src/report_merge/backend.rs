@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 use std::sync::RwLock;
 
 use reports_server_aggregator::{
-    AggregationBackend, BackendError, Ephemeral, FinalReport, InputPage, ObjectKey, OutputFormat,
-    PageRequest, Plan, PolicySet, ReportKind,
+    AggregationBackend, Applied, BackendError, Ephemeral, FinalReport, InputPage, ObjectKey,
+    OutputFormat, PageRequest, Plan, PolicySet, ReportKind,
 };
 use reports_server_crds::{ResourceDescriptor, catalog};
 use serde_json::Value;
@@ -147,7 +147,7 @@ impl StoreBackend {
         Ok(page)
     }
 
-    async fn apply_plan(&self, plan: &Plan) -> Result<(), AggregationError> {
+    async fn apply_plan(&self, plan: &Plan) -> Result<Applied, AggregationError> {
         let ops: Vec<Op<'_>> = plan
             .creates
             .iter()
@@ -157,7 +157,7 @@ impl StoreBackend {
             .chain(plan.ephemeral_deletes.iter().map(Op::ConsumeEphemeral))
             .collect();
         if ops.is_empty() {
-            return Ok(());
+            return Ok(Applied::default());
         }
         let addresses: Vec<(ReportKind, String, String)> = ops.iter().map(Op::address).collect();
         let targets: Vec<Target<'_>> = addresses
@@ -169,10 +169,19 @@ impl StoreBackend {
             })
             .collect();
         // All or nothing: an error from any decision rolls the whole transaction back.
+        let mut rewritten = vec![false; ops.len()];
         self.store
-            .mutate_batch(&targets, false, |i, current| ops[i].decide(current))
+            .mutate_batch(&targets, false, |i, current| {
+                rewritten[i] = ops[i].rewritten_since_loaded(current.as_ref());
+                if rewritten[i] {
+                    return Ok(Mutation::Unchanged);
+                }
+                ops[i].decide(current)
+            })
             .await?;
-        Ok(())
+        Ok(Applied {
+            ephemerals_rewritten: rewritten.iter().filter(|r| **r).count(),
+        })
     }
 }
 
@@ -211,6 +220,19 @@ impl Op<'_> {
                 (k.kind, k.namespace.clone(), k.name.clone())
             }
         }
+    }
+
+    /// Whether this is the consumption of an ephemeral report that was rewritten (or deleted
+    /// and created anew) since it was loaded: it stays, for the next pass (see `Applied`).
+    fn rewritten_since_loaded(&self, current: Option<&Value>) -> bool {
+        let (Op::ConsumeEphemeral(key), Some(current)) = (self, current) else {
+            return false;
+        };
+        let differs = |want: &Option<String>, field: &str| {
+            want.as_deref()
+                .is_some_and(|want| current["metadata"][field].as_str() != Some(want))
+        };
+        differs(&key.resource_version, "resourceVersion") || differs(&key.uid, "uid")
     }
 
     /// Decides the write from the current state, inside the transaction. Reuses the registry's
@@ -311,7 +333,7 @@ impl AggregationBackend for StoreBackend {
         Ok(self.page(request).await?)
     }
 
-    async fn apply(&self, plan: &Plan) -> Result<(), BackendError> {
+    async fn apply(&self, plan: &Plan) -> Result<Applied, BackendError> {
         Ok(self.apply_plan(plan).await?)
     }
 }

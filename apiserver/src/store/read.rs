@@ -517,6 +517,24 @@ impl Store {
             .query_all_raw(Statement::from_string(self.backend(), sql))
             .await?)
     }
+
+    /// Runs a raw statement and hands its rows to `each` as they arrive, one at a time: for
+    /// benchmarks that read more rows than [`Store::query_raw`] could hold. Returns the rows read.
+    pub async fn for_each_raw_row(
+        &self,
+        sql: &str,
+        mut each: impl FnMut(&QueryResult) -> Result<(), StoreError>,
+    ) -> Result<u64, StoreError> {
+        let statement = Statement::from_string(self.backend(), sql);
+        let connection = self.connection();
+        let mut rows = connection.stream_raw(statement).await?;
+        let mut read = 0;
+        while let Some(row) = rows.next().await {
+            each(&row?)?;
+            read += 1;
+        }
+        Ok(read)
+    }
 }
 
 #[cfg(test)]
