@@ -384,6 +384,7 @@ async fn write_scan(
 ) -> anyhow::Result<bool> {
     let name = report.metadata.name.clone().unwrap_or_default();
     loop {
+        report.metadata.resource_version = None;
         match api.create(&PostParams::default(), &report).await {
             Ok(_) => return Ok(false),
             Err(kube::Error::Api(e)) if e.code == 409 => {}
