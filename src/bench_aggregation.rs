@@ -137,7 +137,7 @@ impl Figures {
     }
 }
 
-const HEADER: &str = "| layout | ephemeral reports written | write phase | written/s | until all consumed | current after the last write | ephemeral reports/s consumed (written, not replaced) | most waiting to be merged | most namespaces queued | most RSS sampled (MiB) | policy reports | results in them | results written (all passes) | peak RSS | report writes (create+update+delete) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| layout | ephemeral reports written | write phase | written/s | until all consumed | current after the last write | ephemeral reports/s consumed (written, not replaced) | most waiting to be merged | most namespaces queued | most RSS sampled (MiB) | policy reports | results in them | results merged (all passes, written or unchanged) | peak RSS | report writes (create+update+delete) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 pub async fn run(args: BenchAggregationArgs) -> anyhow::Result<()> {
     let layouts = match args.layout {

@@ -49,7 +49,7 @@ pub struct Metrics {
     pub queue_depth: Gauge,
     /// Wall time of one namespace reconcile, successful or not.
     pub reconcile_duration: Histogram,
-    /// Results written into final reports.
+    /// Results in the final reports a pass computed, written or found unchanged.
     pub results_merged: Counter,
     /// Final reports created, updated or deleted.
     pub reports_written: Family<OperationLabels, Counter>,
@@ -91,7 +91,7 @@ impl Metrics {
         );
         r.register(
             "results_merged",
-            "Results written into policy reports",
+            "Results in the policy reports each pass computed, written or found unchanged",
             m.results_merged.clone(),
         );
         r.register(
