@@ -55,7 +55,10 @@ impl ReconcileOutcome {
         self.created += plan.creates.len();
         self.updated += plan.updates.len();
         self.deleted += plan.deletes.len();
-        self.ephemerals_deleted += plan.ephemeral_deletes.len() - applied.ephemerals_rewritten;
+        self.ephemerals_deleted += plan
+            .ephemeral_deletes
+            .len()
+            .saturating_sub(applied.ephemerals_rewritten);
         self.ephemerals_rewritten += applied.ephemerals_rewritten;
         self.conflicts += plan.conflicts.len();
         self.stats.add(&plan.stats);
@@ -137,7 +140,7 @@ impl<B: AggregationBackend> Aggregator<B> {
         m.record_written(Operation::Delete, plan.deletes.len());
         let rewritten = applied.ephemerals_rewritten;
         m.ephemeral_reports_deleted
-            .inc_by((plan.ephemeral_deletes.len() - rewritten) as u64);
+            .inc_by(plan.ephemeral_deletes.len().saturating_sub(rewritten) as u64);
         m.ephemeral_reports_rewritten.inc_by(rewritten as u64);
         m.conflicts.inc_by(plan.conflicts.len() as u64);
     }

@@ -62,7 +62,14 @@ pub struct Applied {
     /// Consumed ephemeral reports left in place because they were rewritten (a new
     /// `resourceVersion` or `uid`) after the page was loaded. The plan's other writes stand: they
     /// are what the merge would have written had the rewrite come just after it, and the rewrite
-    /// enqueued the namespace again, so its newer version is merged by the next pass.
+    /// enqueued the namespace again, so its newer version is merged by the next pass. For that
+    /// to hold when the rewrite has results of the same second as the merged version (ties go
+    /// to the greater resourceVersion), a backend must leave the rewritten report with a
+    /// resourceVersion newer than the plan's reports: the store backend writes it again after
+    /// them. Through the Kubernetes API a rewrite that landed before the plan's report writes
+    /// keeps its older resourceVersion, and a same-second result in it loses to the one merged
+    /// from the version it replaced (as before this was counted: the retried pass compared the
+    /// same two versions).
     pub ephemerals_rewritten: usize,
 }
 

@@ -26,8 +26,9 @@
 //!       (`fail`, then `skip` once an exception exists) is therefore decided by the later write,
 //!       not by a random name suffix. Stored and ephemeral reports compare the same way: an
 //!       ephemeral report still present was written after the merge that produced the stored
-//!       copy, unless a crash interrupted the deletion of consumed inputs — then the stored
-//!       report, written after them, wins, and a re-merge changes nothing. This needs final and
+//!       copy (in-process, one rewritten while a merge applied is written again after it),
+//!       unless a crash interrupted the deletion of consumed inputs — then the stored report,
+//!       written after them, wins, and a re-merge changes nothing. This needs final and
 //!       ephemeral reports in one storage (one resourceVersion sequence), as in every supported
 //!       set-up: the in-process store, or all report kinds as CRDs in one etcd;
 //!    2. without resourceVersions (offline input): a result already stored in a policy report

@@ -465,18 +465,21 @@ async fn a_failed_apply_leaves_everything_untouched_and_a_rewritten_ephemeral_wa
         assert!(store_backend.apply(&delete).await.is_err());
         assert_eq!(list(&store, &POLICY_REPORT, "ns").await.len(), 1);
 
-        // The last ephemeral report is rewritten after the merge read it: everything merged is
-        // written, and the rewritten report stays, with its newer results, for the next pass.
-        let rewritten = put_ephemeral(&store, &pods[3], T0 + 1, &[2]).await;
+        // The last ephemeral report is rewritten after the merge read it, within the same
+        // second (another rule failing now): everything merged is written, and the rewritten
+        // report stays for the next pass, written again after the page's reports.
+        let rewritten = put_ephemeral(&store, &pods[3], T0, &[2]).await;
         let applied = store_backend.apply(&plan).await.unwrap();
         assert_eq!(applied.ephemerals_rewritten, 1, "{backend:?}");
         // The four merged and the unmanaged `mine`.
         assert_eq!(list(&store, &POLICY_REPORT, "ns").await.len(), 5);
         let ephemerals = by_name(list(&store, &EPHEMERAL_REPORT, "ns").await);
         assert_eq!(ephemerals.len(), 1, "{backend:?}");
-        assert_eq!(rv(&ephemerals[&pods[3].uid]), rewritten);
+        let merged = by_name(list(&store, &POLICY_REPORT, "ns").await);
+        assert!(rv(&ephemerals[&pods[3].uid]) > rv(&merged[&pods[3].uid]));
+        assert!(rv(&ephemerals[&pods[3].uid]) > rewritten);
 
-        // The next pass merges it: the rewritten report's (newer) results win.
+        // The next pass merges it: the rewrite's results win the tie of seconds.
         let outcome = aggregator(&store, config(100))
             .reconcile("ns")
             .await
@@ -491,12 +494,12 @@ async fn a_failed_apply_leaves_everything_untouched_and_a_rewritten_ephemeral_wa
             "{backend:?}"
         );
         let reports = by_name(list(&store, &POLICY_REPORT, "ns").await);
-        let pod3 = &reports[&pods[3].uid];
-        assert!(
-            results(pod3)
-                .iter()
-                .all(|r| r["timestamp"]["seconds"] == T0 + 1)
-        );
+        let failing: Vec<&Value> = results(&reports[&pods[3].uid])
+            .iter()
+            .filter(|r| r["result"] == "fail")
+            .collect();
+        assert_eq!(failing.len(), 1, "{backend:?}");
+        assert_eq!(failing[0]["rule"], PSS_RULES[2].1, "{backend:?}");
         assert!(list(&store, &EPHEMERAL_REPORT, "ns").await.is_empty());
     }
 }

@@ -173,10 +173,14 @@ impl StoreBackend {
         self.store
             .mutate_batch(&targets, false, |i, current| {
                 rewritten[i] = ops[i].rewritten_since_loaded(current.as_ref());
-                if rewritten[i] {
-                    return Ok(Mutation::Unchanged);
+                match current {
+                    // Written again as it is, after this page's reports (the consumptions come
+                    // last and a batch takes resourceVersions in order): on a tie of seconds
+                    // the merge prefers the greater resourceVersion (merge.rs, rule 1), and the
+                    // rewrite must beat what this page merged from the version it replaced.
+                    Some(current) if rewritten[i] => Ok(Mutation::Put(current)),
+                    current => ops[i].decide(current),
                 }
-                ops[i].decide(current)
             })
             .await?;
         Ok(Applied {
@@ -223,7 +227,8 @@ impl Op<'_> {
     }
 
     /// Whether this is the consumption of an ephemeral report that was rewritten (or deleted
-    /// and created anew) since it was loaded: it stays, for the next pass (see `Applied`).
+    /// and created anew) since it was loaded: it stays, for the next pass (see `Applied`), with
+    /// a resourceVersion newer than this page's reports.
     fn rewritten_since_loaded(&self, current: Option<&Value>) -> bool {
         let (Op::ConsumeEphemeral(key), Some(current)) = (self, current) else {
             return false;

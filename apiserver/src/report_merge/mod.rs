@@ -11,7 +11,9 @@
 //!   updated and deleted, consumed ephemeral reports deleted — in *one* store transaction
 //!   ([`Store::mutate_batch`]). Every precondition (the resourceVersion each object had when it
 //!   was read, the `managed-by: kyverno` label) is checked inside that transaction, and any
-//!   failure rolls all of it back. A crash therefore never loses a result (ephemerals are only
+//!   failure rolls all of it back — except that an ephemeral report rewritten since it was read
+//!   is not a failure: it is kept, written again after the page's reports so that its newer
+//!   results win the next pass, and counted (`Applied::ephemerals_rewritten`). A crash therefore never loses a result (ephemerals are only
 //!   gone if the merged report is committed) and never counts one twice (the merged report and
 //!   the deletion of its inputs commit together; re-merging an already stored result is a
 //!   no-op because identity, not arrival, decides).
