@@ -68,8 +68,8 @@ pub struct Applied {
     /// resourceVersion newer than the plan's reports: the store backend writes it again after
     /// them. Through the Kubernetes API a rewrite that landed before the plan's report writes
     /// keeps its older resourceVersion, and a same-second result in it loses to the one merged
-    /// from the version it replaced (as before this was counted: the retried pass compared the
-    /// same two versions).
+    /// from the version it replaced (it did before this change too: the retried pass compared
+    /// the same two versions).
     pub ephemerals_rewritten: usize,
 }
 

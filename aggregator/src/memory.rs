@@ -215,6 +215,13 @@ impl InMemoryBackend {
                 s.ephemerals.remove(&id);
             }
         }
+        // Written again after the plan's reports, as the store backend does (see `Applied`).
+        for id in &rewritten {
+            let rv = s.next_rv();
+            if let Some(e) = s.ephemerals.get_mut(id) {
+                e.metadata_mut().resource_version = Some(rv);
+            }
+        }
         s.applies += 1;
         Ok(Applied {
             ephemerals_rewritten: rewritten.len(),

@@ -345,6 +345,13 @@ impl Ephemeral {
         }
     }
 
+    pub fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        match self {
+            Self::Namespaced(r) => &mut r.metadata,
+            Self::Cluster(r) => &mut r.metadata,
+        }
+    }
+
     pub fn metadata(&self) -> &ObjectMeta {
         match self {
             Self::Namespaced(r) => &r.metadata,

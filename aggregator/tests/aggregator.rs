@@ -379,7 +379,16 @@ async fn ephemeral_rewritten_after_load_is_not_deleted() {
     backend.put_ephemeral(ephemeral("ns", 1, 20, &[1]));
     let applied = backend.apply(&plan).await.unwrap();
     assert_eq!(applied.ephemerals_rewritten, 1);
-    // What was merged is written; the newer version stays for the next pass.
+    // What was merged is written; the newer version stays for the next pass, written again
+    // after the report so that a same-second rescan wins the tie.
+    let rv = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        m.resource_version
+            .as_deref()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
     assert_eq!(backend.reports().len(), 1);
     assert_eq!(backend.ephemerals().len(), 1);
+    assert!(rv(backend.ephemerals()[0].metadata()) > rv(backend.reports()[0].metadata()));
 }
