@@ -51,17 +51,32 @@ pub struct ReconcileOutcome {
 }
 
 impl ReconcileOutcome {
-    fn add(&mut self, plan: &Plan, applied: Applied) {
-        self.created += plan.creates.len();
-        self.updated += plan.updates.len();
-        self.deleted += plan.deletes.len();
-        self.ephemerals_deleted += plan
-            .ephemeral_deletes
-            .len()
-            .saturating_sub(applied.ephemerals_rewritten);
-        self.ephemerals_rewritten += applied.ephemerals_rewritten;
-        self.conflicts += plan.conflicts.len();
-        self.stats.add(&plan.stats);
+    /// What one applied plan did.
+    fn of(plan: &Plan, applied: Applied) -> Self {
+        ReconcileOutcome {
+            created: plan.creates.len(),
+            updated: plan.updates.len(),
+            deleted: plan.deletes.len(),
+            ephemerals_deleted: plan
+                .ephemeral_deletes
+                .len()
+                .saturating_sub(applied.ephemerals_rewritten),
+            ephemerals_rewritten: applied.ephemerals_rewritten,
+            conflicts: plan.conflicts.len(),
+            applies: 0,
+            stats: plan.stats.clone(),
+        }
+    }
+
+    fn add(&mut self, page: &ReconcileOutcome) {
+        self.created += page.created;
+        self.updated += page.updated;
+        self.deleted += page.deleted;
+        self.ephemerals_deleted += page.ephemerals_deleted;
+        self.ephemerals_rewritten += page.ephemerals_rewritten;
+        self.conflicts += page.conflicts;
+        self.applies += page.applies;
+        self.stats.add(&page.stats);
     }
 }
 
@@ -132,17 +147,17 @@ impl<B: AggregationBackend> Aggregator<B> {
 
     /// Counts what one applied plan wrote, as soon as it is written: the pages of a pass that
     /// fails later stay written, and the metrics say so.
-    fn record(&self, plan: &Plan, applied: Applied) {
+    fn record(&self, page: &ReconcileOutcome) {
         let m = &self.metrics;
-        m.results_merged.inc_by(plan.stats.results_out as u64);
-        m.record_written(Operation::Create, plan.creates.len());
-        m.record_written(Operation::Update, plan.updates.len());
-        m.record_written(Operation::Delete, plan.deletes.len());
-        let rewritten = applied.ephemerals_rewritten;
+        m.results_merged.inc_by(page.stats.results_out as u64);
+        m.record_written(Operation::Create, page.created);
+        m.record_written(Operation::Update, page.updated);
+        m.record_written(Operation::Delete, page.deleted);
         m.ephemeral_reports_deleted
-            .inc_by(plan.ephemeral_deletes.len().saturating_sub(rewritten) as u64);
-        m.ephemeral_reports_rewritten.inc_by(rewritten as u64);
-        m.conflicts.inc_by(plan.conflicts.len() as u64);
+            .inc_by(page.ephemerals_deleted as u64);
+        m.ephemeral_reports_rewritten
+            .inc_by(page.ephemerals_rewritten as u64);
+        m.conflicts.inc_by(page.conflicts as u64);
     }
 
     #[tracing::instrument(name = "load_page", level = "debug", skip_all, fields(continued = token.is_some()))]
@@ -165,8 +180,8 @@ impl<B: AggregationBackend> Aggregator<B> {
 
     #[tracing::instrument(name = "apply_plan", level = "debug", skip_all)]
     async fn apply(&self, plan: &Plan, outcome: &mut ReconcileOutcome) -> Result<(), Error> {
-        let applied = if plan.is_empty() {
-            Applied::default()
+        let (applied, applies) = if plan.is_empty() {
+            (Applied::default(), 0)
         } else {
             tracing::debug!(
                 creates = plan.creates.len(),
@@ -176,17 +191,20 @@ impl<B: AggregationBackend> Aggregator<B> {
                 "applying the plan"
             );
             let applied = self.backend.apply(plan).await?;
-            outcome.applies += 1;
             if applied.ephemerals_rewritten > 0 {
                 tracing::debug!(
                     rewritten = applied.ephemerals_rewritten,
                     "ephemeral reports rewritten during the merge: left for the next pass"
                 );
             }
-            applied
+            (applied, 1)
         };
-        self.record(plan, applied);
-        outcome.add(plan, applied);
+        let page = ReconcileOutcome {
+            applies,
+            ..ReconcileOutcome::of(plan, applied)
+        };
+        self.record(&page);
+        outcome.add(&page);
         Ok(())
     }
 

@@ -426,10 +426,10 @@ impl KubeBackend {
 
     /// Runs `operations` with bounded concurrency; all run even if one fails, the first error
     /// is returned.
-    async fn run_all(
+    async fn run_all<T: Send>(
         &self,
-        operations: Vec<BoxFuture<'_, Result<(), BackendError>>>,
-    ) -> Result<(), BackendError> {
+        operations: Vec<BoxFuture<'_, Result<T, BackendError>>>,
+    ) -> Result<Vec<T>, BackendError> {
         let results = futures::stream::iter(operations)
             .buffer_unordered(self.config.concurrency.max(1))
             .collect::<Vec<_>>()
@@ -453,20 +453,17 @@ impl KubeBackend {
                 .collect(),
         )
         .await?;
-        let consumes: Vec<BoxFuture<'_, Result<bool, BackendError>>> = plan
-            .ephemeral_deletes
-            .iter()
-            .map(|k| self.consume(k).boxed())
-            .collect();
-        let consumed: Vec<_> = futures::stream::iter(consumes)
-            .buffer_unordered(self.config.concurrency.max(1))
-            .collect()
-            .await;
-        let mut applied = Applied::default();
-        for rewritten in consumed {
-            applied.ephemerals_rewritten += usize::from(rewritten?);
-        }
-        Ok(applied)
+        let rewritten = self
+            .run_all(
+                plan.ephemeral_deletes
+                    .iter()
+                    .map(|k| self.consume(k).boxed())
+                    .collect(),
+            )
+            .await?;
+        Ok(Applied {
+            ephemerals_rewritten: rewritten.into_iter().filter(|r| *r).count(),
+        })
     }
 }
 
