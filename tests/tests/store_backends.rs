@@ -489,6 +489,46 @@ async fn a_failed_decision_writes_nothing() {
     }
 }
 
+/// A create decides on "no object" without reading first; when the round finds one, the
+/// decision is made again on it, so the create fails and the stored object stays as it was.
+#[tokio::test]
+async fn a_create_that_presumed_no_object_decides_again_on_the_stored_one() {
+    let target = |name| Target {
+        resource: &POLICY_REPORT,
+        namespace: "ns",
+        name,
+    };
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(backend, dir.path()).await;
+        let rv = put(&store, "ns", "taken", report("ns", 1, &[])).await;
+        let mut seen = Vec::new();
+        let result = store
+            .mutate_new::<StoreError, _>(target("taken"), false, |current| {
+                seen.push(current.is_some());
+                match current {
+                    Some(_) => Err(StoreError::AlreadyExists),
+                    None => Ok(Mutation::Put(report("ns", 2, &[]))),
+                }
+            })
+            .await;
+        assert!(
+            matches!(result, Err(StoreError::AlreadyExists)),
+            "{backend:?}"
+        );
+        assert_eq!(seen, [false, true], "{backend:?}: presumed, then read");
+        assert_eq!(store.versions().await.unwrap().0, rv, "{backend:?}");
+        let fresh = store
+            .mutate_new::<StoreError, _>(target("free"), false, |current| {
+                assert!(current.is_none());
+                Ok(Mutation::Put(report("ns", 3, &[])))
+            })
+            .await
+            .unwrap();
+        assert_eq!(fresh.resource_version, rv + 1, "{backend:?}");
+    }
+}
+
 /// Regression (a real Kyverno on a fresh install): an empty store answered lists with
 /// resourceVersion "0", which client-go reads as "any version" and its RetryWatcher refuses, so
 /// no Kyverno controller ever started its report watcher. The counter starts above zero for a

@@ -190,10 +190,12 @@ impl Registry {
         }
         let outcome = self
             .store
-            .mutate(
-                r.resource,
-                r.object_namespace(),
-                &name,
+            .mutate_new(
+                Target {
+                    resource: r.resource,
+                    namespace: r.object_namespace(),
+                    name: &name,
+                },
                 options.dry_run,
                 |current| {
                     if current.is_some() {

@@ -57,6 +57,32 @@ impl Store {
         Ok(outcomes.pop().expect("one outcome per target"))
     }
 
+    /// [`Store::mutate`] for a write that expects no object at `namespace/name` (a create):
+    /// `decide` first runs on `None` without a read, and again on the object if the round finds
+    /// one. Reading first cost every create a statement and a round trip outside the round: on
+    /// PostgreSQL through kube-apiserver, a third of the database's time per create.
+    pub async fn mutate_new<E, F>(
+        &self,
+        target: Target<'_>,
+        dry_run: bool,
+        mut decide: F,
+    ) -> Result<WriteOutcome, E>
+    where
+        E: From<StoreError>,
+        F: FnMut(Option<Value>) -> Result<Mutation, E>,
+    {
+        let target = [target];
+        let mut outcomes = match dry_run {
+            true => self.dry_run(&target, |_, current| decide(current)).await?,
+            false => {
+                let owned = OwnedTarget::all_of(&target)?;
+                self.write(&target, owned, vec![None], |_, current| decide(current))
+                    .await?
+            }
+        };
+        Ok(outcomes.pop().expect("one outcome per target"))
+    }
+
     /// Stores whole objects as given (server-owned metadata included; namespace and name from
     /// their metadata) in one transaction, replacing any with the same name; returns the last
     /// resourceVersion written. For loading many objects at once: benchmarks and tests seed
@@ -96,7 +122,7 @@ impl Store {
         &self,
         targets: &[Target<'_>],
         dry_run: bool,
-        mut decide: F,
+        decide: F,
     ) -> Result<Vec<WriteOutcome>, E>
     where
         E: From<StoreError>,
@@ -109,7 +135,23 @@ impl Store {
             return Ok(Vec::new());
         }
         let owned = OwnedTarget::all_of(targets)?;
-        let mut seen = self.read_seen(&owned).await?;
+        let seen = self.read_seen(&owned).await?;
+        self.write(targets, owned, seen, decide).await
+    }
+
+    /// Decides on `seen` (what the writer read, or presumes, of each target), queues the
+    /// decisions for a round and decides again while the round finds the targets changed.
+    async fn write<E, F>(
+        &self,
+        targets: &[Target<'_>],
+        owned: Vec<OwnedTarget>,
+        mut seen: Vec<Option<Seen>>,
+        mut decide: F,
+    ) -> Result<Vec<WriteOutcome>, E>
+    where
+        E: From<StoreError>,
+        F: FnMut(usize, Option<Value>) -> Result<Mutation, E>,
+    {
         let mut attempt = 0;
         loop {
             let began = Instant::now();

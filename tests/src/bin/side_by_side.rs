@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
+use reports_server_crds::fixtures::{Subject, pss_policy_report};
 use reports_server_tests::controlplane::{
     Component, ControlPlane, ControlPlaneOptions, ExternalApiService, spawn_tied_to_test,
     workspace_root,
@@ -86,6 +87,11 @@ struct Args {
     /// Only print the summary of the JSON already in `--out` (no benchmark runs).
     #[arg(long)]
     summarize_only: bool,
+    /// The client: `bench` (`reports-server bench`, every phase) or `plain` (creates only, by
+    /// bench/plain_creates.py: Python threads that decode nothing, with the CPU per create of
+    /// every process, PostgreSQL's included, and our group-commit rounds).
+    #[arg(long, env = "SIDE_BY_SIDE_DRIVER", default_value = "bench", value_parser = ["bench", "plain"])]
+    driver: String,
     /// Where the JSON of each run and summary.csv go.
     #[arg(
         long,
@@ -144,7 +150,10 @@ async fn run_all(args: &Args) -> Result<()> {
         for target in &args.targets {
             let t = Instant::now();
             eprintln!("[side-by-side] {target} at {size} reports");
-            let json = args.out.join(format!("{target}-{size}.json"));
+            let json = match args.driver.as_str() {
+                "plain" => args.out.join(format!("{target}-{size}-plain.json")),
+                _ => args.out.join(format!("{target}-{size}.json")),
+            };
             run_one(args, target, size, &json)
                 .await
                 .with_context(|| format!("target {target} at {size} reports"))?;
@@ -154,7 +163,9 @@ async fn run_all(args: &Args) -> Result<()> {
             );
         }
     }
-    summarize(args)?;
+    if args.driver == "bench" {
+        summarize(args)?;
+    }
     eprintln!("[side-by-side] all done in {:.0?}", started.elapsed());
     Ok(())
 }
@@ -179,6 +190,66 @@ fn driver(args: &Args, target: &str, size: u64, json: &Path) -> Command {
     cmd
 }
 
+/// bench/plain_creates.py for `size` creates through `kubeconfig`'s kube-apiserver, with the
+/// CPU of `pids` (and their descendants) and, for our server, its group-commit rounds.
+fn plain_driver(
+    args: &Args,
+    size: u64,
+    json: &Path,
+    kubeconfig: &Path,
+    pids: &[(String, u32)],
+    metrics_url: Option<String>,
+) -> Result<Command> {
+    let template = json.with_extension("template.json");
+    let subject = Subject {
+        namespace: "__NAMESPACE__".into(),
+        name: "__POD__".into(),
+        uid: "__UID__".into(),
+    };
+    let mut report = serde_json::to_value(pss_policy_report(&subject, unix_now(), &[0, 3]))?;
+    report["apiVersion"] = json!("wgpolicyk8s.io/v1alpha2");
+    report["kind"] = json!("PolicyReport");
+    fs::write(&template, serde_json::to_vec(&report)?)?;
+    let mut cmd = Command::new("python3");
+    cmd.arg(workspace_root().join("bench/plain_creates.py"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .arg("--template")
+        .arg(&template)
+        .args(["--reports", &size.to_string()])
+        .args(["--threads", &args.concurrency.to_string()])
+        .args(["--namespaces", &args.namespaces.to_string()])
+        .arg("--json")
+        .arg(json);
+    for (name, pid) in pids {
+        cmd.args(["--pid", &format!("{name}={pid}")]);
+    }
+    if let Some(url) = metrics_url {
+        cmd.args(["--metrics-url", &url]);
+    }
+    Ok(cmd)
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// The postmaster of the PostgreSQL cluster `url` names, which must run on this machine: the
+/// first line of `postmaster.pid` in its data directory.
+fn postmaster_pid(url: &str) -> Result<u32> {
+    let dir = psql_value(url, "SHOW data_directory")
+        .context("SHOW data_directory needs a superuser or pg_read_all_settings")?;
+    let file = Path::new(&dir).join("postmaster.pid");
+    let text = fs::read_to_string(&file)
+        .with_context(|| format!("reading {} (run as its owner or root)", file.display()))?;
+    text.lines()
+        .next()
+        .and_then(|l| l.trim().parse().ok())
+        .with_context(|| format!("no pid on the first line of {}", file.display()))
+}
+
 fn run_driver(mut cmd: Command) -> Result<()> {
     let status = cmd
         .stdin(Stdio::null())
@@ -192,6 +263,10 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
     let work = tempfile::Builder::new()
         .prefix(&format!("side-by-side-{target}-"))
         .tempdir()?;
+    ensure!(
+        args.driver == "bench" || !target.ends_with("-direct"),
+        "--driver plain goes through kube-apiserver: target {target} has none"
+    );
     if let Some(backend) = target.strip_suffix("-direct") {
         let url = database_url(backend, work.path())?;
         let disk = disk_of(backend, &url, work.path())?;
@@ -214,6 +289,7 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
     // Kept alive until the driver is done.
     let mut ours = None;
     let mut peer = None;
+    let mut metrics_url = None;
     let disk = match target {
         "crds" => {
             for file in fs::read_dir(workspace_root().join("crds/upstream"))? {
@@ -254,18 +330,27 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
                 "reports-server".to_owned(),
                 s.pid().context("reports-server is not running")?,
             ));
+            metrics_url = Some(format!("{}/metrics", s.url()));
             ours = Some(s);
             disk
         }
         other => bail!("unknown target {other}"),
     };
-    let mut cmd = driver(args, target, size, json);
-    cmd.arg("--kubeconfig").arg(cp.kubeconfig_path());
-    for (name, pid) in &pids {
-        cmd.args(["--server-pid", &format!("{name}={pid}")]);
+    if args.driver == "plain" {
+        if let Disk::Postgres { url, .. } = &disk {
+            pids.push(("postgres".to_owned(), postmaster_pid(url)?));
+        }
+        let cmd = plain_driver(args, size, json, cp.kubeconfig_path(), &pids, metrics_url)?;
+        run_driver(cmd)?;
+    } else {
+        let mut cmd = driver(args, target, size, json);
+        cmd.arg("--kubeconfig").arg(cp.kubeconfig_path());
+        for (name, pid) in &pids {
+            cmd.args(["--server-pid", &format!("{name}={pid}")]);
+        }
+        run_driver(cmd)?;
+        add_disk_figure(json, &disk)?;
     }
-    run_driver(cmd)?;
-    add_disk_figure(json, &disk)?;
     if ours.is_some() {
         delegated::unregister_apiservices(&cp).await?;
     }
@@ -312,16 +397,21 @@ fn disk_of(backend: &str, url: &str, dir: &Path) -> Result<Disk> {
 }
 
 fn pg_database_size(url: &str) -> Result<u64> {
+    Ok(psql_value(url, "SELECT pg_database_size(current_database())")?.parse()?)
+}
+
+/// The one value `sql` returns on `url`.
+fn psql_value(url: &str, sql: &str) -> Result<String> {
     let out = Command::new("psql")
-        .args([url, "-tAc", "SELECT pg_database_size(current_database())"])
+        .args([url, "-tAc", sql])
         .output()
         .context("running psql (apt-get install -y postgresql-client)")?;
     ensure!(
         out.status.success(),
-        "psql failed: {}",
+        "psql -c {sql:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Ok(String::from_utf8(out.stdout)?.trim().parse()?)
+    Ok(String::from_utf8(out.stdout)?.trim().to_owned())
 }
 
 impl Disk {
