@@ -9,7 +9,9 @@
 //! - `postgres-direct`, `sqlite-direct`: this server in the benchmark's own process, no
 //!   kube-apiserver (what the server itself costs).
 //!
-//! Each run writes `<out>/<target>-<reports>.json` (every figure with its samples) with the
+//! With `--driver plain` the client is bench/plain_creates.py instead (creates only, through
+//! kube-apiserver: `<out>/<target>-<reports>-plain.json` with the CPU per create of every
+//! process, PostgreSQL's backends included). Each run writes `<out>/<target>-<reports>.json` (every figure with its samples) with the
 //! bytes on disk and the processes' peak RSS and CPU added; at the end `<out>/summary.csv` and a
 //! Markdown table with the ratios us/peer and us/CRDs. A benchmark, never part of CI
 //! (docs/benchmarks.md "Side by side").
