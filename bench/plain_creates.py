@@ -110,15 +110,16 @@ def ensure_namespaces(cluster, count):
     conn.close()
 
 
-def cpu_ticks(pid):
-    """utime + stime of one process, in clock ticks (None when it is gone)."""
+def cpu_ticks(pid, reaped=False):
+    """utime + stime of one process in clock ticks, plus cutime + cstime (its children that have
+    exited and been waited for) when `reaped`; None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+    fields = [int(v) for v in stat.rsplit(")", 1)[1].split()[11:15]]
+    return fields[0] + fields[1] + (fields[2] + fields[3] if reaped else 0)
 
 
 def process_tree(root):
@@ -142,13 +143,14 @@ def process_tree(root):
 
 
 def tree_cpu(root):
-    """Ticks of every live process of the tree, by pid (exited backends are lost: keep-alive
-    connections keep PostgreSQL's backends alive for the whole run)."""
-    return {pid: t for pid in process_tree(root) if (t := cpu_ticks(pid)) is not None}
-
-
-def cpu_delta(before, after):
-    return sum(t - before.get(pid, 0) for pid, t in after.items()) / USER_HZ
+    """Ticks spent so far by the tree under `root`: every live process of it, and the children
+    `root` has reaped (a PostgreSQL backend that exited during the run, as the peer's pool closes
+    connections beyond its two idle ones, is counted by its postmaster's cutime)."""
+    total = 0
+    for pid in process_tree(root):
+        ticks = cpu_ticks(pid, reaped=(pid == root))
+        total += ticks or 0
+    return total
 
 
 def group_commit(cluster, url):
@@ -236,7 +238,7 @@ def main():
     elapsed = time.perf_counter() - started
 
     own_after = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = {name: cpu_delta(cpu_before[name], tree_cpu(pid)) for name, pid in pids.items()}
+    cpu = {name: (tree_cpu(pid) - cpu_before[name]) / USER_HZ for name, pid in pids.items()}
     cpu["client"] = (own_after.ru_utime - own_before.ru_utime) + (own_after.ru_stime - own_before.ru_stime)
     if errors:
         print(f"[plain-creates] {len(errors)} creates failed; first: {errors[0]}", file=sys.stderr)

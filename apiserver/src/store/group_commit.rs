@@ -257,7 +257,7 @@ impl CommitQueue {
         );
         registry.register(
             "reports_server_store_group_commit_changed_targets",
-            "Writers whose objects changed between their read and their round, which decided again",
+            "Writers whose objects were not as they decided on (changed since their read, or found by a create that presumed none), which decided again",
             m.changed.clone(),
         );
     }

@@ -76,7 +76,8 @@ impl Store {
             true => self.dry_run(&target, |_, current| decide(current)).await?,
             false => {
                 let owned = OwnedTarget::all_of(&target)?;
-                self.write(&target, owned, vec![None], |_, current| decide(current))
+                let first = FirstSight::PresumedAbsent;
+                self.write(&target, owned, first, |_, current| decide(current))
                     .await?
             }
         };
@@ -135,23 +136,27 @@ impl Store {
             return Ok(Vec::new());
         }
         let owned = OwnedTarget::all_of(targets)?;
-        let seen = self.read_seen(&owned).await?;
-        self.write(targets, owned, seen, decide).await
+        let first = FirstSight::Read(self.read_seen(&owned).await?);
+        self.write(targets, owned, first, decide).await
     }
 
-    /// Decides on `seen` (what the writer read, or presumes, of each target), queues the
-    /// decisions for a round and decides again while the round finds the targets changed.
+    /// Decides on what the writer read or presumes of each target, queues the decisions for a
+    /// round and decides again while the round finds the targets changed.
     async fn write<E, F>(
         &self,
         targets: &[Target<'_>],
         owned: Vec<OwnedTarget>,
-        mut seen: Vec<Option<Seen>>,
+        first: FirstSight,
         mut decide: F,
     ) -> Result<Vec<WriteOutcome>, E>
     where
         E: From<StoreError>,
         F: FnMut(usize, Option<Value>) -> Result<Mutation, E>,
     {
+        let (mut seen, mut presumed_absent) = match first {
+            FirstSight::Read(seen) => (seen, false),
+            FirstSight::PresumedAbsent => (targets.iter().map(|_| None).collect(), true),
+        };
         let mut attempt = 0;
         loop {
             let began = Instant::now();
@@ -160,7 +165,10 @@ impl Store {
                 .map(|s| s.as_ref().map(|s| (s.id, s.rv)))
                 .collect();
             let decided = self.decide_on(targets, seen, &mut decide)?;
-            let cheap = began.elapsed() <= INSIDE_DECISION_BUDGET;
+            // A create that finds an object decides again outside the round: its decision (an
+            // AlreadyExists, usually) would parse the stored object, megabytes perhaps, while
+            // every writer of the round waits.
+            let cheap = !presumed_absent && began.elapsed() <= INSIDE_DECISION_BUDGET;
             let stored = self.read_replaced_results(targets, &rows, &decided).await?;
             let presumed = Presumed {
                 versions: rows.iter().map(|r| r.map(|(_, rv)| rv)).collect(),
@@ -183,6 +191,7 @@ impl Store {
             }
             // Dropping the ticket steps out of the round; the next attempt decides on `now`.
             seen = now;
+            presumed_absent = false;
         }
     }
 
@@ -264,6 +273,14 @@ impl Store {
         }
         Ok(decided)
     }
+}
+
+/// What a writer first decides on.
+enum FirstSight {
+    /// The rows it read (`None`: no such object).
+    Read(Vec<Option<Seen>>),
+    /// No object at any target, presumed without reading (a create).
+    PresumedAbsent,
 }
 
 fn leader_gone() -> StoreError {
