@@ -10,7 +10,9 @@
 //! current: a decision that was cheap is made again inside the round (hot objects keep their
 //! throughput); an expensive one steps out of the round and decides again outside, and only
 //! after [`OUTSIDE_ATTEMPTS`] such rounds inside (so a writer racing a stream of others still
-//! finishes).
+//! finishes). A create does not read: it presumes there is no object (the round reads every
+//! target anyway), and if the round finds one it decides again outside, as an expensive
+//! decision would.
 
 use std::time::{Duration, Instant};
 
