@@ -51,7 +51,7 @@ pub struct ReconcileOutcome {
 }
 
 impl ReconcileOutcome {
-    /// What one applied plan did.
+    /// What one applied plan did (an empty plan is not sent to the backend).
     fn of(plan: &Plan, applied: Applied) -> Self {
         ReconcileOutcome {
             created: plan.creates.len(),
@@ -63,7 +63,7 @@ impl ReconcileOutcome {
                 .saturating_sub(applied.ephemerals_rewritten),
             ephemerals_rewritten: applied.ephemerals_rewritten,
             conflicts: plan.conflicts.len(),
-            applies: 0,
+            applies: usize::from(!plan.is_empty()),
             stats: plan.stats.clone(),
         }
     }
@@ -180,8 +180,8 @@ impl<B: AggregationBackend> Aggregator<B> {
 
     #[tracing::instrument(name = "apply_plan", level = "debug", skip_all)]
     async fn apply(&self, plan: &Plan, outcome: &mut ReconcileOutcome) -> Result<(), Error> {
-        let (applied, applies) = if plan.is_empty() {
-            (Applied::default(), 0)
+        let applied = if plan.is_empty() {
+            Applied::default()
         } else {
             tracing::debug!(
                 creates = plan.creates.len(),
@@ -197,12 +197,9 @@ impl<B: AggregationBackend> Aggregator<B> {
                     "ephemeral reports rewritten during the merge: left for the next pass"
                 );
             }
-            (applied, 1)
+            applied
         };
-        let page = ReconcileOutcome {
-            applies,
-            ..ReconcileOutcome::of(plan, applied)
-        };
+        let page = ReconcileOutcome::of(plan, applied);
         self.record(&page);
         outcome.add(&page);
         Ok(())

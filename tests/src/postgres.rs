@@ -234,24 +234,27 @@ pub fn fresh_database() -> anyhow::Result<String> {
             .duration_since(std::time::UNIX_EPOCH)?
             .subsec_nanos()
     );
-    let admin = format!("{}/postgres", cluster.base_url);
+    psql(
+        &format!("{}/postgres", cluster.base_url),
+        &format!("CREATE DATABASE {name}"),
+    )?;
+    Ok(format!("{}/{name}", cluster.base_url))
+}
+
+/// Runs `statement` with psql on the database `url` names; returns its unaligned output (one
+/// line per row, `|` between columns).
+pub fn psql(url: &str, statement: &str) -> anyhow::Result<String> {
     let psql = which("psql").context("psql not found: apt-get install -y postgresql-client")?;
     let out = Command::new(psql)
-        .args([
-            &admin,
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-qc",
-            &format!("CREATE DATABASE {name}"),
-        ])
+        .args([url, "-v", "ON_ERROR_STOP=1", "-Atc", statement])
         .output()?;
     if !out.status.success() {
         bail!(
-            "CREATE DATABASE failed: {}",
+            "psql -c {statement:?} failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    Ok(format!("{}/{name}", cluster.base_url))
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// A PostgreSQL cluster of one test's own, which the test may stop and start again (a database
@@ -359,17 +362,7 @@ impl OwnedPostgres {
     /// Runs `statement` with psql as the superuser; returns its unaligned output (one line per
     /// row, `|` between columns).
     pub fn sql(&self, statement: &str) -> anyhow::Result<String> {
-        let psql = which("psql").context("psql not found: apt-get install -y postgresql-client")?;
-        let out = Command::new(psql)
-            .args([&self.url(), "-v", "ON_ERROR_STOP=1", "-Atc", statement])
-            .output()?;
-        if !out.status.success() {
-            bail!(
-                "psql -c {statement:?} failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        psql(&self.url(), statement)
     }
 
     /// Freezes every process of the cluster (SIGSTOP): open connections and new ones get no
