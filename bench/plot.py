@@ -22,15 +22,20 @@ try:
 except ImportError:
     sys.exit("matplotlib is missing: pip install matplotlib (see this file's docstring)")
 
-# (figure key, title, y label). The serving process is picked per target as in the summary.
+# (figure key, title, y label, log scale). The serving process is picked per target as in the
+# summary; `raw_list_over_floor` is derived from each run's list and floor.
 FIGURES = [
-    ("create_per_s", "Creates through the API", "reports/s"),
-    ("update_per_s", "Updates through the API", "reports/s"),
-    ("list_seconds", "Full paged list (limit=500)", "s"),
-    ("kubectl_get_seconds", "kubectl get polr -A", "s"),
-    ("watch_p99_ms.100", "Watch p99, 100 watchers, 200 creates/s", "ms"),
-    ("serving_peak_rss_mib", "Peak RSS of the serving process", "MiB"),
-    ("disk_mib", "Bytes on disk", "MiB"),
+    ("create_per_s", "Creates through the API", "reports/s", False),
+    ("update_per_s", "Updates through the API", "reports/s", False),
+    ("list_seconds", "Full paged list, typed client (limit=500)", "s", True),
+    ("raw_list_seconds", "Full paged list read as bytes (limit=500)", "s", True),
+    ("metadata_list_seconds", "Metadata-only paged list (limit=500)", "s", True),
+    ("database_read_seconds", "The database's floor: one SELECT of every body", "s", True),
+    ("raw_list_over_floor", "Paged list read as bytes / the database's floor", "×", False),
+    ("kubectl_get_seconds", "kubectl get polr -A", "s", True),
+    ("watch_p99_ms.100", "Watch p99, 100 watchers, 200 creates/s", "ms", False),
+    ("serving_peak_rss_mib", "Peak RSS of the serving process", "MiB", True),
+    ("disk_mib", "Bytes on disk", "MiB", True),
 ]
 
 SERVING = {"crds": "kube-apiserver", "peer": "peer"}
@@ -50,11 +55,17 @@ def load(directory):
         target, reports = doc.get("target"), doc.get("reports")
         if target is None or reports is None:
             continue
+        medians = {}
         for f in doc.get("figures", []):
             key = f["key"]
             if key == f"peak_rss_mib.{serving(target)}":
                 key = "serving_peak_rss_mib"
             series[key][target].append((reports, f["median"], f["min"], f["max"]))
+            medians[key] = f["median"]
+        floor = medians.get("database_read_seconds")
+        if floor and "raw_list_seconds" in medians:
+            ratio = medians["raw_list_seconds"] / floor
+            series["raw_list_over_floor"][target].append((reports, ratio, ratio, ratio))
     return series
 
 
@@ -63,7 +74,7 @@ def main():
     series = load(directory)
     if not series:
         sys.exit(f"no benchmark JSON in {directory}: run bench/side-by-side.sh first")
-    for key, title, unit in FIGURES:
+    for key, title, unit, log in FIGURES:
         targets = series.get(key)
         if not targets:
             continue
@@ -76,6 +87,8 @@ def main():
             highs = [p[3] - p[1] for p in points]
             ax.errorbar(xs, ys, yerr=[lows, highs], marker="o", capsize=3, label=target)
         ax.set_xscale("log")
+        if log:
+            ax.set_yscale("log")
         ax.set_xlabel("reports stored")
         ax.set_ylabel(unit)
         ax.set_title(title)

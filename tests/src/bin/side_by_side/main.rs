@@ -16,7 +16,6 @@
 //! Markdown table with the ratios us/peer and us/CRDs. A benchmark, never part of CI
 //! (docs/benchmarks.md "Side by side").
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -33,6 +32,8 @@ use reports_server_tests::delegated::{self, Server};
 use reports_server_tests::kubectl::Kubectl;
 use reports_server_tests::{kube_client, postgres, server};
 use serde_json::{Value, json};
+
+mod summary;
 
 /// Every target, in the order they run.
 const TARGETS: [&str; 6] = [
@@ -72,6 +73,19 @@ struct Args {
     /// Watcher counts of the latency phase.
     #[arg(long, env = "SIDE_BY_SIDE_WATCHERS", default_value = "10,100")]
     watchers: String,
+    /// The driver's phases (`reports-server bench --phases`). With `--seed`, only reads make
+    /// sense: e.g. `raw-list,metadata-list,list`.
+    #[arg(
+        long,
+        env = "SIDE_BY_SIDE_PHASES",
+        default_value = "create,update,list,raw-list,metadata-list,kubectl-get,watch-latency"
+    )]
+    phases: String,
+    /// Load the reports directly into our store (the migration's bulk path, `bench --phases
+    /// seed`) before the server starts, instead of creating them through the API: sizes that
+    /// creating would take hours to reach. Our targets only.
+    #[arg(long, env = "SIDE_BY_SIDE_SEED")]
+    seed: bool,
     /// Runs of each read phase (the figure is their median).
     #[arg(long, env = "SIDE_BY_SIDE_REPEAT", default_value_t = 3)]
     repeat: usize,
@@ -106,7 +120,7 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     if args.summarize_only {
-        return summarize(&args);
+        return summary::summarize(&args.out);
     }
     for t in &args.targets {
         ensure!(
@@ -127,6 +141,21 @@ fn main() -> Result<()> {
              `bash bench/peer/build.sh <kyverno/reports-server source>`",
         )?;
         ensure!(peer.exists(), "{} does not exist", peer.display());
+    }
+    if args.seed {
+        ensure!(
+            args.driver == "bench",
+            "--seed reads what it loaded: --driver plain only creates"
+        );
+        if let Some(t) = args
+            .targets
+            .iter()
+            .find(|t| !t.starts_with("postgres") && !t.starts_with("sqlite"))
+        {
+            bail!(
+                "--seed loads through our store: target {t} has none (postgres, sqlite and their -direct forms do)"
+            );
+        }
     }
     if args
         .targets
@@ -166,7 +195,7 @@ async fn run_all(args: &Args) -> Result<()> {
         }
     }
     if args.driver == "bench" {
-        summarize(args)?;
+        summary::summarize(&args.out)?;
     }
     eprintln!("[side-by-side] all done in {:.0?}", started.elapsed());
     Ok(())
@@ -182,10 +211,7 @@ fn driver(args: &Args, target: &str, size: u64, json: &Path) -> Command {
         .args(["--concurrency", &args.concurrency.to_string()])
         .args(["--repeat", &args.repeat.to_string()])
         .args(["--watchers", &args.watchers])
-        .args([
-            "--phases",
-            "create,update,list,raw-list,metadata-list,kubectl-get,watch-latency",
-        ])
+        .args(["--phases", &args.phases])
         .arg("--json")
         .arg(json)
         .env("REPORTS_SERVER_LOG", "warn");
@@ -266,10 +292,14 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
     if let Some(backend) = target.strip_suffix("-direct") {
         let url = database_url(backend, work.path())?;
         let disk = disk_of(backend, &url, work.path())?;
+        if args.seed {
+            seed(args, &url, size)?;
+        }
         let mut cmd = driver(args, target, size, json);
         cmd.args(["--database-url", &url]);
         run_driver(cmd)?;
-        return add_disk_figure(json, &disk);
+        add_disk_figure(json, &disk)?;
+        return add_floor_figure(args, &url, json, work.path());
     }
 
     let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
@@ -286,6 +316,7 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
     let mut ours = None;
     let mut peer = None;
     let mut metrics_url = None;
+    let mut floor_url = None;
     let disk = match target {
         "crds" => {
             for file in fs::read_dir(workspace_root().join("crds/upstream"))? {
@@ -320,6 +351,10 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
         backend @ ("postgres" | "sqlite") => {
             let url = database_url(backend, work.path())?;
             let disk = disk_of(backend, &url, work.path())?;
+            if args.seed {
+                seed(args, &url, size)?;
+            }
+            floor_url = Some(url.clone());
             let s = Server::start_on(&cp, work.path(), &url, &[]).await?;
             delegated::register_apiservices(&cp, &s, &admin, &client).await?;
             pids.push((
@@ -353,6 +388,60 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
     drop(ours);
     drop(peer);
     cp.stop().await?;
+    if let Some(url) = floor_url
+        && args.driver == "bench"
+    {
+        add_floor_figure(args, &url, json, work.path())?;
+    }
+    Ok(())
+}
+
+/// Loads `size` reports into the database at `url` through the store, as the migration's
+/// import does (`bench --phases seed`), with its progress on stderr.
+fn seed(args: &Args, url: &str, size: u64) -> Result<()> {
+    let t = Instant::now();
+    let mut cmd = Command::new(args.server_bin.as_ref().expect("checked in main"));
+    cmd.arg("bench")
+        .args(["--phases", "seed", "--database-url", url])
+        .args(["--seed-reports", &size.to_string()])
+        .args(["--namespaces", &args.namespaces.to_string()])
+        .env("REPORTS_SERVER_LOG", "warn");
+    run_driver(cmd)?;
+    eprintln!(
+        "[side-by-side] seeded {size} reports in {:.0?}",
+        t.elapsed()
+    );
+    Ok(())
+}
+
+/// Adds the database's floor for a full list to a run's JSON: one `SELECT` of every stored body
+/// (`bench --phases database-read`), on the run's database once the server has stopped, so that
+/// the summary can put each list against what the database alone takes.
+fn add_floor_figure(args: &Args, url: &str, json: &Path, work: &Path) -> Result<()> {
+    let floor = work.join("floor.json");
+    let mut cmd = Command::new(args.server_bin.as_ref().expect("checked in main"));
+    cmd.arg("bench")
+        .args(["--phases", "database-read", "--database-url", url])
+        .args(["--repeat", &args.repeat.to_string()])
+        .arg("--json")
+        .arg(&floor)
+        .env("REPORTS_SERVER_LOG", "warn");
+    run_driver(cmd)?;
+    let doc: Value = serde_json::from_slice(&fs::read(&floor)?)?;
+    let figures = doc["figures"]
+        .as_array()
+        .context("the floor's JSON has no figures")?;
+    push_figures(json, figures.iter().cloned())
+}
+
+/// Appends figures to a run's JSON.
+fn push_figures(json: &Path, figures: impl IntoIterator<Item = Value>) -> Result<()> {
+    let mut doc: Value = serde_json::from_slice(&fs::read(json)?)?;
+    doc["figures"]
+        .as_array_mut()
+        .context("the driver's JSON has no figures")?
+        .extend(figures);
+    fs::write(json, serde_json::to_vec_pretty(&doc)?)?;
     Ok(())
 }
 
@@ -444,200 +533,24 @@ fn dir_size(dir: &Path) -> Result<u64> {
 /// Adds the bytes on disk to a run's JSON, as a figure like the driver's.
 fn add_disk_figure(json: &Path, disk: &Disk) -> Result<()> {
     let (bytes, what) = disk.bytes()?;
-    let mut doc: Value = serde_json::from_slice(&fs::read(json)?)?;
+    let doc: Value = serde_json::from_slice(&fs::read(json)?)?;
     let reports = doc["reports"].as_f64().unwrap_or(1.0);
     let mib = bytes as f64 / (1024.0 * 1024.0);
-    for (key, value, unit) in [
-        ("disk_mib", mib, "MiB"),
-        ("disk_bytes_per_report", bytes as f64 / reports, "bytes"),
-    ] {
-        doc["figures"]
-            .as_array_mut()
-            .context("the driver's JSON has no figures")?
-            .push(json!({
+    push_figures(
+        json,
+        [
+            ("disk_mib", mib, "MiB"),
+            ("disk_bytes_per_report", bytes as f64 / reports, "bytes"),
+        ]
+        .map(|(key, value, unit)| {
+            json!({
                 "key": key, "unit": unit, "median": value, "min": value, "max": value,
                 "samples": [value], "detail": what,
-            }));
-    }
-    fs::write(json, serde_json::to_vec_pretty(&doc)?)?;
+            })
+        }),
+    )?;
     eprintln!("[side-by-side] on disk: {mib:.1} MiB ({what})");
     Ok(())
-}
-
-/// The figures the summary table compares, with whether a larger value is better.
-const COMPARED: [(&str, &str, bool); 15] = [
-    ("create_per_s", "create (reports/s)", true),
-    ("update_per_s", "update (reports/s)", true),
-    ("list_seconds", "paged list, limit=500 (s)", false),
-    (
-        "raw_list_seconds",
-        "paged list read as bytes, limit=500 (s)",
-        false,
-    ),
-    (
-        "metadata_list_seconds",
-        "metadata-only paged list (s)",
-        false,
-    ),
-    ("kubectl_get_seconds", "kubectl get polr -A (s)", false),
-    ("watch_p50_ms.10", "watch p50, 10 watchers (ms)", false),
-    ("watch_p99_ms.10", "watch p99, 10 watchers (ms)", false),
-    ("watch_p50_ms.100", "watch p50, 100 watchers (ms)", false),
-    ("watch_p99_ms.100", "watch p99, 100 watchers (ms)", false),
-    (
-        "serving_peak_rss_mib",
-        "peak RSS of the serving process (MiB)",
-        false,
-    ),
-    (
-        "serving_cpu_seconds",
-        "CPU of the serving process, whole run (s)",
-        false,
-    ),
-    (
-        "kube_apiserver_peak_rss_mib",
-        "peak RSS of kube-apiserver (MiB)",
-        false,
-    ),
-    ("disk_mib", "on disk (MiB)", false),
-    ("disk_bytes_per_report", "on disk per report (bytes)", false),
-];
-
-/// The process that serves the reports in each target.
-fn serving_process(target: &str) -> &'static str {
-    match target {
-        "crds" => "kube-apiserver",
-        "peer" => "peer",
-        t if t.ends_with("-direct") => "bench",
-        _ => "reports-server",
-    }
-}
-
-/// Medians by key of one run's JSON, with the summary's derived figures.
-fn medians(target: &str, doc: &Value) -> BTreeMap<String, f64> {
-    let mut m = BTreeMap::new();
-    for f in doc["figures"].as_array().into_iter().flatten() {
-        if let (Some(k), Some(v)) = (f["key"].as_str(), f["median"].as_f64()) {
-            m.insert(k.to_owned(), v);
-        }
-    }
-    let serving = serving_process(target);
-    if let Some(v) = m.get(&format!("peak_rss_mib.{serving}")).copied() {
-        m.insert("serving_peak_rss_mib".into(), v);
-    }
-    if let Some(v) = m.get("peak_rss_mib.kube-apiserver").copied() {
-        m.insert("kube_apiserver_peak_rss_mib".into(), v);
-    }
-    let cpu: f64 = m
-        .iter()
-        .filter(|(k, _)| k.starts_with("cpu_seconds.") && k.ends_with(&format!(".{serving}")))
-        .map(|(_, v)| v)
-        .sum();
-    if cpu > 0.0 {
-        m.insert("serving_cpu_seconds".into(), cpu);
-    }
-    m
-}
-
-/// `summary.csv` (every figure of every run in `out`) and a Markdown table per size with the
-/// ratios "how many times better" of ours against the peer and the CRDs.
-fn summarize(args: &Args) -> Result<()> {
-    let mut csv = String::from("target,reports,key,unit,median,min,max,load_before,load_after\n");
-    let mut runs: BTreeMap<u64, BTreeMap<String, BTreeMap<String, f64>>> = BTreeMap::new();
-    let mut entries: Vec<PathBuf> = fs::read_dir(&args.out)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "json"))
-        .collect();
-    entries.sort();
-    for path in entries {
-        let doc: Value = serde_json::from_slice(&fs::read(&path)?)
-            .with_context(|| format!("parsing {}", path.display()))?;
-        let (Some(target), Some(reports)) = (doc["target"].as_str(), doc["reports"].as_u64())
-        else {
-            continue;
-        };
-        for f in doc["figures"].as_array().into_iter().flatten() {
-            csv.push_str(&format!(
-                "{target},{reports},{},{},{},{},{},{},{}\n",
-                f["key"].as_str().unwrap_or(""),
-                f["unit"].as_str().unwrap_or(""),
-                f["median"],
-                f["min"],
-                f["max"],
-                doc["load_average_before"],
-                doc["load_average_after"],
-            ));
-        }
-        runs.entry(reports)
-            .or_default()
-            .insert(target.to_owned(), medians(target, &doc));
-    }
-    fs::write(args.out.join("summary.csv"), csv)?;
-
-    for (reports, targets) in &runs {
-        let names: Vec<&String> = TARGETS
-            .iter()
-            .filter_map(|t| targets.get_key_value(*t).map(|(k, _)| k))
-            .collect();
-        let comparisons: Vec<(&str, &str)> = [
-            ("postgres", "peer"),
-            ("sqlite", "peer"),
-            ("postgres", "crds"),
-            ("sqlite", "crds"),
-        ]
-        .into_iter()
-        .filter(|(a, b)| targets.contains_key(*a) && targets.contains_key(*b))
-        .collect();
-        println!("\n### {reports} reports\n");
-        let mut header = String::from("| figure |");
-        let mut rule = String::from("|---|");
-        for n in &names {
-            header.push_str(&format!(" {n} |"));
-            rule.push_str("---|");
-        }
-        for (a, b) in &comparisons {
-            header.push_str(&format!(" {a} vs {b} |"));
-            rule.push_str("---|");
-        }
-        println!("{header}\n{rule}");
-        for (key, label, higher_is_better) in COMPARED {
-            if !names.iter().any(|n| targets[*n].contains_key(key)) {
-                continue;
-            }
-            let mut line = format!("| {label} |");
-            for n in &names {
-                match targets[*n].get(key) {
-                    Some(v) => line.push_str(&format!(" {} |", short(*v))),
-                    None => line.push_str(" – |"),
-                }
-            }
-            for (a, b) in &comparisons {
-                match (targets[*a].get(key), targets[*b].get(key)) {
-                    (Some(x), Some(y)) if *x > 0.0 && *y > 0.0 => {
-                        let better = if higher_is_better { x / y } else { y / x };
-                        line.push_str(&format!(" {better:.2}× |"));
-                    }
-                    _ => line.push_str(" – |"),
-                }
-            }
-            println!("{line}");
-        }
-    }
-    println!(
-        "\n(ratios: how many times better the first is — faster, smaller or more per second; \
-         below 1 it is worse)"
-    );
-    Ok(())
-}
-
-fn short(v: f64) -> String {
-    if v >= 100.0 {
-        format!("{v:.0}")
-    } else if v >= 10.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
-    }
 }
 
 /// kyverno/reports-server as a plain process next to the control plane, on PostgreSQL, with
