@@ -269,6 +269,17 @@ struct ServeArgs {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     watch_buffer_bytes: u64,
+    /// Most bytes of a list's rows read from the database ahead of its client. A page up to
+    /// this size is read at the database's pace and its connection goes back to the pool at
+    /// once; a larger one (a list without `limit`) keeps its connection while a slow client
+    /// reads instead of holding every body in memory. Default 8 MiB.
+    #[arg(
+        long,
+        env = "REPORTS_SERVER_LIST_READ_AHEAD_BYTES",
+        default_value_t = 8 * 1024 * 1024,
+        value_parser = clap::value_parser!(u64).range(65536..=4_294_967_295)
+    )]
+    list_read_ahead_bytes: u64,
     /// Authentication and authorization: standalone or delegated to the cluster.
     #[arg(
         long,
@@ -430,6 +441,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     store.watch_history_max_events = args.watch_history_max_events;
     store.watch_buffer_bytes = usize::try_from(args.watch_buffer_bytes)
         .context("--watch-buffer-bytes does not fit this machine's address space")?;
+    store.list_read_ahead_bytes = usize::try_from(args.list_read_ahead_bytes)
+        .context("--list-read-ahead-bytes does not fit this machine's address space")?;
     store.compaction_interval = Duration::from_secs(args.compaction_interval_seconds.max(1));
     let data_dir = PathBuf::from(&args.database.data_dir);
     let kubeconfig = args

@@ -291,6 +291,11 @@ pub struct StoreOptions {
     /// Bound on the bytes of recent changes the change feed buffers for live watchers; a
     /// watcher further behind is cut off and resumes from the change log.
     pub watch_buffer_bytes: usize,
+    /// Bytes of a list's rows read ahead of the client, at most. A page up to this size is
+    /// read at the database's pace and its connection goes back to the pool at once; a larger
+    /// one (a list without `limit`) keeps its connection while its client reads, rather than
+    /// hold every body in memory.
+    pub list_read_ahead_bytes: usize,
     /// How long the health probe waits for the database to answer before data requests are
     /// refused with 503 (see [`health`]).
     pub probe_timeout: Duration,
@@ -301,6 +306,9 @@ pub struct StoreOptions {
     /// write of every replica, until TCP keepalive noticed (two hours by default).
     pub idle_in_transaction_timeout: Duration,
 }
+
+/// Default of [`StoreOptions::list_read_ahead_bytes`]: twice a page of 500 reports of 9 KB.
+pub const DEFAULT_LIST_READ_AHEAD_BYTES: usize = 8 * 1024 * 1024;
 
 impl StoreOptions {
     pub fn new(database_url: impl Into<String>) -> Self {
@@ -317,6 +325,7 @@ impl StoreOptions {
             compaction_interval: Duration::from_secs(30),
             group_commit_max_writes: 256,
             watch_buffer_bytes: feed::DEFAULT_WATCH_BUFFER_BYTES,
+            list_read_ahead_bytes: DEFAULT_LIST_READ_AHEAD_BYTES,
             probe_timeout: Duration::from_secs(1),
             idle_in_transaction_timeout: Duration::from_secs(10),
         }

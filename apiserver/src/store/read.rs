@@ -1,8 +1,13 @@
 //! Reads: get, list (label and field selectors and keyset pagination in SQL) and versions.
 //!
-//! A list page is read as a stream: a task owns the read transaction and hands each row over as
-//! the database delivers it, so a response can go out while the page is still being read, and
-//! the connection returns to the pool at the database's pace, not at a slow client's.
+//! A list page is read as a stream: a task owns the read transaction and hands the rows over in
+//! batches as the database delivers them, so a response can go out while the page is still
+//! being read, and the connection returns to the pool at the database's pace, not at a slow
+//! client's — up to [`StoreOptions::list_read_ahead_bytes`](super::StoreOptions) of rows the
+//! client has yet to take. Beyond that (a list without `limit` to a slow client) the task waits
+//! for the client rather than hold every body in memory.
+
+use std::sync::Arc;
 
 use futures::StreamExt;
 use reports_server_crds::ResourceDescriptor;
@@ -12,7 +17,7 @@ use sea_orm::{
     Statement, StreamTrait, TransactionTrait,
 };
 use serde_json::Value;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tracing::Instrument;
 
 use super::body::BodyCodec;
@@ -80,9 +85,35 @@ pub struct ListPage {
     pub more: bool,
 }
 
+impl ListRow {
+    /// What the row holds in memory, about: what counts against a list's read-ahead.
+    fn bytes(&self) -> usize {
+        const FIXED: usize = std::mem::size_of::<ListRow>();
+        FIXED
+            + self.namespace.len()
+            + self.name.len()
+            + self.metadata.len()
+            + self.body.len()
+            + self.scope_kind.as_ref().map_or(0, String::len)
+            + self.scope_name.as_ref().map_or(0, String::len)
+    }
+}
+
+/// Rows go over to the reader in batches of about this many bytes: one hand-off between tasks
+/// for a few rows rather than one per row.
+const LIST_BATCH_BYTES: usize = 64 * 1024;
+
+/// Rows handed over together, holding their bytes of the list's read-ahead until the reader has
+/// taken the last of them.
+struct Batch {
+    rows: std::vec::IntoIter<ListRow>,
+    _read_ahead: Option<OwnedSemaphorePermit>,
+}
+
 /// What the reading task hands over.
 enum Delivery {
-    Row(ListRow),
+    /// Never empty.
+    Rows(Batch),
     /// Every row of the page was delivered.
     End,
     Failed(StoreError),
@@ -93,6 +124,10 @@ struct Read {
     txn: DatabaseTransaction,
     statement: SelectStatement,
     bodies: Option<BodyCodec>,
+    /// Bytes of rows read but not yet taken by the reader, at most (the channel is unbounded:
+    /// this bounds it).
+    read_ahead: Arc<Semaphore>,
+    read_ahead_bytes: usize,
     deliver: mpsc::UnboundedSender<Delivery>,
 }
 
@@ -104,6 +139,8 @@ pub struct ListStream {
     /// the request on the snapshot's versions reads no rows.
     unstarted: Option<Read>,
     deliveries: mpsc::UnboundedReceiver<Delivery>,
+    /// The batch rows are being taken from.
+    batch: Option<Batch>,
     limit: Option<u64>,
     delivered: u64,
     /// The key of the row that filled the limit: where the next page starts, if one follows.
@@ -131,33 +168,50 @@ impl ListStream {
         if let Some(read) = self.unstarted.take() {
             tokio::spawn(read_rows(read).instrument(tracing::debug_span!("list_read")));
         }
-        let delivery = self.deliveries.recv().await;
-        let (next, finished) = match delivery {
+        let (next, finished) = match self.next_delivered().await {
             // The query asks for one row past the limit to learn whether another page follows.
-            Some(Delivery::Row(_)) if self.limit == Some(self.delivered) => {
+            Some(Ok(_)) if self.limit == Some(self.delivered) => {
                 self.more = true;
                 (None, true)
             }
-            Some(Delivery::Row(row)) => {
+            Some(Ok(row)) => {
                 self.delivered += 1;
                 if self.limit == Some(self.delivered) {
                     self.limit_key = Some((row.namespace.clone(), row.name.clone()));
                 }
                 (Some(Ok(row)), false)
             }
-            Some(Delivery::End) => (None, true),
-            Some(Delivery::Failed(e)) => (Some(Err(e)), true),
-            // Only a panic in the reading task closes the channel without a last word; a page
-            // that silently came up short would look complete to the client.
-            None => (
-                Some(Err(StoreError::Inconsistent(
-                    "the list's read stopped before the end of the page".into(),
-                ))),
-                true,
-            ),
+            Some(Err(e)) => (Some(Err(e)), true),
+            None => (None, true),
         };
         self.finished = finished;
+        if finished {
+            self.batch = None;
+        }
         next
+    }
+
+    /// The next row the reading task delivered, its failure, or `None` at the end.
+    async fn next_delivered(&mut self) -> Option<Result<ListRow, StoreError>> {
+        if let Some(row) = self.batch.as_mut().and_then(|b| b.rows.next()) {
+            return Some(Ok(row));
+        }
+        // Its rows are taken: its bytes no longer count against the read-ahead.
+        self.batch = None;
+        match self.deliveries.recv().await {
+            Some(Delivery::Rows(mut batch)) => {
+                let row = batch.rows.next();
+                self.batch = Some(batch);
+                row.map(Ok)
+            }
+            Some(Delivery::End) => None,
+            Some(Delivery::Failed(e)) => Some(Err(e)),
+            // Only a panic in the reading task closes the channel without a last word; a page
+            // that silently came up short would look complete to the client.
+            None => Some(Err(StoreError::Inconsistent(
+                "the list's read stopped before the end of the page".into(),
+            ))),
+        }
     }
 
     /// Whether another page follows; known once [`ListStream::next_row`] returned `None`.
@@ -176,8 +230,12 @@ impl ListStream {
     #[cfg(test)]
     pub(crate) fn scripted(rows: Vec<ListRow>, failure: Option<StoreError>) -> ListStream {
         let (deliver, deliveries) = mpsc::unbounded_channel();
-        for row in rows {
-            deliver.send(Delivery::Row(row)).expect("open channel");
+        if !rows.is_empty() {
+            let batch = Batch {
+                rows: rows.into_iter(),
+                _read_ahead: None,
+            };
+            deliver.send(Delivery::Rows(batch)).expect("open channel");
         }
         let last = failure.map_or(Delivery::End, Delivery::Failed);
         deliver.send(last).expect("open channel");
@@ -186,6 +244,7 @@ impl ListStream {
             compacted: 1,
             unstarted: None,
             deliveries,
+            batch: None,
             limit: None,
             delivered: 0,
             limit_key: None,
@@ -288,22 +347,49 @@ fn row_of(row: &QueryResult, bodies: Option<BodyCodec>) -> Result<ListRow, Store
     })
 }
 
-/// Reads the rows into `deliver`, then a last [`Delivery`]. Stops early when the reader is
-/// gone.
+/// Reads the rows into `deliver` in batches, then a last [`Delivery`]. Stops early when the
+/// reader is gone.
 async fn read_rows(
     Read {
         txn,
         statement,
         bodies,
+        read_ahead,
+        read_ahead_bytes,
         deliver,
     }: Read,
 ) {
+    let hand_over = |rows: Vec<ListRow>, bytes: usize| {
+        let (read_ahead, deliver) = (read_ahead.clone(), &deliver);
+        async move {
+            // A batch larger than the whole read-ahead waits until nothing else is held.
+            let bytes = u32::try_from(bytes.min(read_ahead_bytes)).unwrap_or(u32::MAX);
+            let Ok(held) = read_ahead.acquire_many_owned(bytes).await else {
+                return false;
+            };
+            let batch = Batch {
+                rows: rows.into_iter(),
+                _read_ahead: Some(held),
+            };
+            deliver.send(Delivery::Rows(batch)).is_ok()
+        }
+    };
     let outcome: Result<(), StoreError> = async {
         let mut rows = txn.stream(&statement).await?;
+        let (mut batch, mut bytes) = (Vec::new(), 0);
         while let Some(row) = rows.next().await {
-            if deliver.send(Delivery::Row(row_of(&row?, bodies)?)).is_err() {
-                break;
+            let row = row_of(&row?, bodies)?;
+            bytes += row.bytes();
+            batch.push(row);
+            if bytes >= LIST_BATCH_BYTES {
+                let (full, size) = (std::mem::take(&mut batch), std::mem::take(&mut bytes));
+                if !hand_over(full, size).await {
+                    return Ok(());
+                }
             }
+        }
+        if !batch.is_empty() {
+            hand_over(batch, bytes).await;
         }
         Ok(())
     }
@@ -466,9 +552,11 @@ impl Store {
 
     /// [`Store::list`], row by row as the database delivers them. The snapshot's versions are
     /// read before this returns; from the first [`ListStream::next_row`] on, a task reads the
-    /// rows into an unbounded channel (a page is bounded by its limit, as a page held in
-    /// memory always was), so the connection is back in the pool as soon as the database has
-    /// sent the page, however slowly the caller consumes it.
+    /// rows ahead of the caller, up to [`StoreOptions::list_read_ahead_bytes`] not yet taken, so
+    /// the connection of a page up to that size is back in the pool as soon as the database has
+    /// sent it, however slowly the caller consumes it; a larger page waits for its caller.
+    ///
+    /// [`StoreOptions::list_read_ahead_bytes`]: super::StoreOptions::list_read_ahead_bytes
     pub async fn list_stream(&self, query: &ListQuery) -> Result<ListStream, StoreError> {
         let txn = self.read_snapshot().await?;
         let (resource_version, compacted) =
@@ -476,6 +564,10 @@ impl Store {
         let statement = self.list_statement(query);
         let bodies = (!query.metadata_only).then(|| self.bodies());
         let (deliver, deliveries) = mpsc::unbounded_channel();
+        let read_ahead_bytes = self
+            .options
+            .list_read_ahead_bytes
+            .clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize));
         Ok(ListStream {
             resource_version,
             compacted,
@@ -483,9 +575,12 @@ impl Store {
                 txn,
                 statement,
                 bodies,
+                read_ahead: Arc::new(Semaphore::new(read_ahead_bytes)),
+                read_ahead_bytes,
                 deliver,
             }),
             deliveries,
+            batch: None,
             limit: query.limit,
             delivered: 0,
             limit_key: None,
@@ -549,11 +644,23 @@ mod tests {
 
     /// An SQLite store of one connection holding `names` in namespace `ns`.
     async fn one_connection_store(dir: &tempfile::TempDir, names: &[&str]) -> Store {
+        store_of(dir, names, 0, StoreOptions::new(String::new())).await
+    }
+
+    /// As [`one_connection_store`], each object carrying `padding` bytes in an annotation,
+    /// with `options` (its URL and pool replaced).
+    async fn store_of(
+        dir: &tempfile::TempDir,
+        names: &[&str],
+        padding: usize,
+        options: StoreOptions,
+    ) -> Store {
         let url = format!("sqlite://{}?mode=rwc", dir.path().join("db").display());
         let store = Store::connect(StoreOptions {
             max_connections: 1,
             connect_timeout: Duration::from_secs(2),
-            ..StoreOptions::new(url)
+            database_url: url,
+            ..options
         })
         .await
         .unwrap();
@@ -563,11 +670,46 @@ mod tests {
             .map(|(i, name)| {
                 json!({"apiVersion": "wgpolicyk8s.io/v1alpha2", "kind": "PolicyReport",
                     "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{i}"),
-                        "resourceVersion": "1", "creationTimestamp": "2026-11-26T00:00:00Z"}})
+                        "resourceVersion": "1", "creationTimestamp": "2026-11-26T00:00:00Z",
+                        "annotations": {"padding": "x".repeat(padding)}}})
             })
             .collect();
         store.put_all(&POLICY_REPORT, objects).await.unwrap();
         store
+    }
+
+    /// A list without `limit` to a reader that lags holds no more than its read-ahead: the
+    /// reading task waits, keeping its connection, instead of reading every body into memory.
+    #[tokio::test]
+    async fn a_list_reads_no_further_ahead_of_its_reader_than_the_read_ahead() {
+        let dir = tempfile::tempdir().unwrap();
+        let names = ["a", "b", "c", "d", "e", "f"];
+        // Two objects fill a batch; a read-ahead of one byte lets one batch out at a time.
+        let options = StoreOptions {
+            list_read_ahead_bytes: 1,
+            ..StoreOptions::new(String::new())
+        };
+        let store = store_of(&dir, &names, LIST_BATCH_BYTES / 2, options).await;
+        let mut page = store
+            .list_stream(&ListQuery::all(&POLICY_REPORT))
+            .await
+            .unwrap();
+        let first = page.next_row().await.unwrap().unwrap();
+        // The next batch waits for the first to be taken, on the only connection.
+        let busy = store.count(&POLICY_REPORT).await;
+        assert!(
+            busy.is_err(),
+            "the lagging list kept its connection: {busy:?}"
+        );
+
+        let mut listed = vec![first.name];
+        while let Some(row) = page.next_row().await {
+            listed.push(row.unwrap().name);
+        }
+        assert_eq!(listed, names, "every row, in order, across batches");
+        assert!(!page.more());
+        let count = store.count(&POLICY_REPORT).await.unwrap();
+        assert_eq!(count, 6, "the connection is back once the page is read");
     }
 
     fn first_two(after: Option<(String, String)>) -> ListQuery {
