@@ -40,6 +40,19 @@ FIGURES = [
 
 SERVING = {"crds": "kube-apiserver", "peer": "peer"}
 
+# One colour per target in every figure.
+COLOURS = {
+    "crds": "tab:blue",
+    "peer": "tab:orange",
+    "postgres": "tab:green",
+    "sqlite": "tab:red",
+    "postgres-direct": "tab:olive",
+    "sqlite-direct": "tab:purple",
+}
+
+# Figures with a target line: (value, label).
+TARGET_LINES = {"raw_list_over_floor": (2.0, "target: 2× the floor")}
+
 
 def serving(target):
     if target in SERVING:
@@ -85,7 +98,18 @@ def main():
             ys = [p[1] for p in points]
             lows = [p[1] - p[2] for p in points]
             highs = [p[3] - p[1] for p in points]
-            ax.errorbar(xs, ys, yerr=[lows, highs], marker="o", capsize=3, label=target)
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=[lows, highs],
+                marker="o",
+                capsize=3,
+                label=target,
+                color=COLOURS.get(target),
+            )
+        if key in TARGET_LINES:
+            value, label = TARGET_LINES[key]
+            ax.axhline(value, color="grey", linestyle="--", label=label)
         ax.set_xscale("log")
         if log:
             ax.set_yscale("log")
