@@ -180,7 +180,9 @@ pub struct DatabaseArgs {
     /// Seconds PostgreSQL lets a session of ours idle inside a transaction before it ends the
     /// session (`idle_in_transaction_session_timeout`): a transaction abandoned on a half-open
     /// connection during a network outage would otherwise keep its row locks, and stall every
-    /// write, until TCP keepalive notices (hours). Ours idle for milliseconds.
+    /// write, until TCP keepalive notices (hours). Ours idle for milliseconds. Also how long a
+    /// list's read waits, holding its connection, for a client that takes no rows (any
+    /// database).
     #[arg(
         long,
         env = "REPORTS_SERVER_DB_IDLE_IN_TRANSACTION_TIMEOUT_SECONDS",
@@ -269,10 +271,12 @@ struct ServeArgs {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     watch_buffer_bytes: u64,
-    /// Most bytes of a list's rows read from the database ahead of its client. A page up to
-    /// this size is read at the database's pace and its connection goes back to the pool at
+    /// Most bytes of a JSON list's rows read from the database ahead of its client. A page up
+    /// to this size is read at the database's pace and its connection goes back to the pool at
     /// once; a larger one (a list without `limit`) keeps its connection while a slow client
-    /// reads instead of holding every body in memory. Default 8 MiB.
+    /// reads instead of holding every body in memory, and ends when the client takes nothing
+    /// for --db-idle-in-transaction-timeout-seconds. From 64 KiB (one batch of rows) to 4 GiB
+    /// (permits are counted in 32 bits). Default 8 MiB.
     #[arg(
         long,
         env = "REPORTS_SERVER_LIST_READ_AHEAD_BYTES",

@@ -94,6 +94,13 @@ pub enum StoreError {
     Inconsistent(String),
     #[error("stored object {0} is corrupt: {1}")]
     Corrupt(String, String),
+    /// A list's client took no rows for this long while its read waited with a database
+    /// connection; the read ended to give the connection back.
+    #[error(
+        "the list's client took no rows for {0:?}; the read ended to free its database \
+         connection (--db-idle-in-transaction-timeout-seconds)"
+    )]
+    ReaderStalled(std::time::Duration),
     #[error("an object with this name already exists")]
     AlreadyExists,
     /// The configuration cannot work (an unknown database URL scheme, …); retrying will not help.
@@ -139,6 +146,7 @@ impl StoreError {
             StoreError::Ambiguous(m) => StoreError::Ambiguous(m.clone()),
             StoreError::Inconsistent(m) => StoreError::Inconsistent(m.clone()),
             StoreError::Corrupt(what, why) => StoreError::Corrupt(what.clone(), why.clone()),
+            StoreError::ReaderStalled(waited) => StoreError::ReaderStalled(*waited),
             StoreError::AlreadyExists => StoreError::AlreadyExists,
             StoreError::Config(m) => StoreError::Config(m.clone()),
             StoreError::ClusterIdTaken {
@@ -294,7 +302,8 @@ pub struct StoreOptions {
     /// Bytes of a list's rows read ahead of the client, at most. A page up to this size is
     /// read at the database's pace and its connection goes back to the pool at once; a larger
     /// one (a list without `limit`) keeps its connection while its client reads, rather than
-    /// hold every body in memory.
+    /// hold every body in memory, and ends when the client takes nothing for
+    /// `idle_in_transaction_timeout`.
     pub list_read_ahead_bytes: usize,
     /// How long the health probe waits for the database to answer before data requests are
     /// refused with 503 (see [`health`]).
@@ -307,7 +316,8 @@ pub struct StoreOptions {
     pub idle_in_transaction_timeout: Duration,
 }
 
-/// Default of [`StoreOptions::list_read_ahead_bytes`]: twice a page of 500 reports of 9 KB.
+/// Default of [`StoreOptions::list_read_ahead_bytes`]: room for a whole page as kubectl and
+/// client-go ask for it (500 reports of about 9 KB), so paged lists never wait on their client.
 pub const DEFAULT_LIST_READ_AHEAD_BYTES: usize = 8 * 1024 * 1024;
 
 impl StoreOptions {

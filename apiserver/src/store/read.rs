@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use reports_server_crds::ResourceDescriptor;
 use sea_orm::sea_query::{Alias, Cond, Expr, ExprTrait, Order, Query, SelectStatement};
 use sea_orm::{
@@ -112,7 +112,7 @@ struct Batch {
 
 /// What the reading task hands over.
 enum Delivery {
-    /// Never empty.
+    /// Never empty: the reader takes an empty batch for a page that came up short.
     Rows(Batch),
     /// Every row of the page was delivered.
     End,
@@ -124,11 +124,40 @@ struct Read {
     txn: DatabaseTransaction,
     statement: SelectStatement,
     bodies: Option<BodyCodec>,
+    hand_over: HandOver,
+}
+
+/// How the reading task passes batches to the reader.
+struct HandOver {
     /// Bytes of rows read but not yet taken by the reader, at most (the channel is unbounded:
-    /// this bounds it).
+    /// this bounds it). Closed when the reader goes away.
     read_ahead: Arc<Semaphore>,
     read_ahead_bytes: usize,
+    /// How long the read waits for its reader to take rows before it ends: a waiting read holds
+    /// a pooled connection and a snapshot, which a client that stopped reading must not keep.
+    stall_timeout: std::time::Duration,
     deliver: mpsc::UnboundedSender<Delivery>,
+}
+
+impl HandOver {
+    /// Sends `rows` (`bytes` of them) once the read-ahead has room; `false` when the reader is
+    /// gone, an error when it took nothing for `stall_timeout`.
+    async fn send(&self, rows: Vec<ListRow>, bytes: usize) -> Result<bool, StoreError> {
+        // A batch larger than the whole read-ahead waits until nothing else is held; the clamp
+        // in `Store::list_stream` keeps the budget within u32.
+        let bytes = u32::try_from(bytes.min(self.read_ahead_bytes)).expect("a u32 budget");
+        let wait = self.read_ahead.clone().acquire_many_owned(bytes);
+        let held = match tokio::time::timeout(self.stall_timeout, wait).await {
+            Ok(Ok(held)) => held,
+            Ok(Err(_closed)) => return Ok(false),
+            Err(_elapsed) => return Err(StoreError::ReaderStalled(self.stall_timeout)),
+        };
+        let batch = Batch {
+            rows: rows.into_iter(),
+            _read_ahead: Some(held),
+        };
+        Ok(self.deliver.send(Delivery::Rows(batch)).is_ok())
+    }
 }
 
 /// A list page as the database delivers it (see [`Store::list_stream`]).
@@ -141,12 +170,21 @@ pub struct ListStream {
     deliveries: mpsc::UnboundedReceiver<Delivery>,
     /// The batch rows are being taken from.
     batch: Option<Batch>,
+    /// The read's budget, closed on drop: a read waiting for room stops at once rather than
+    /// wait on a batch stranded in the closed channel.
+    read_ahead: Arc<Semaphore>,
     limit: Option<u64>,
     delivered: u64,
     /// The key of the row that filled the limit: where the next page starts, if one follows.
     limit_key: Option<(String, String)>,
     more: bool,
     finished: bool,
+}
+
+impl Drop for ListStream {
+    fn drop(&mut self) {
+        self.read_ahead.close();
+    }
 }
 
 impl ListStream {
@@ -193,25 +231,24 @@ impl ListStream {
 
     /// The next row the reading task delivered, its failure, or `None` at the end.
     async fn next_delivered(&mut self) -> Option<Result<ListRow, StoreError>> {
-        if let Some(row) = self.batch.as_mut().and_then(|b| b.rows.next()) {
-            return Some(Ok(row));
+        if self.batch.is_none() {
+            self.batch = match self.deliveries.recv().await {
+                Some(Delivery::Rows(batch)) => Some(batch),
+                Some(Delivery::End) => return None,
+                Some(Delivery::Failed(e)) => return Some(Err(e)),
+                // Only a panic in the reading task closes the channel without a last word; a
+                // page that silently came up short would look complete to the client.
+                None => return Some(Err(stopped_short())),
+            };
         }
-        // Its rows are taken: its bytes no longer count against the read-ahead.
-        self.batch = None;
-        match self.deliveries.recv().await {
-            Some(Delivery::Rows(mut batch)) => {
-                let row = batch.rows.next();
-                self.batch = Some(batch);
-                row.map(Ok)
-            }
-            Some(Delivery::End) => None,
-            Some(Delivery::Failed(e)) => Some(Err(e)),
-            // Only a panic in the reading task closes the channel without a last word; a page
-            // that silently came up short would look complete to the client.
-            None => Some(Err(StoreError::Inconsistent(
-                "the list's read stopped before the end of the page".into(),
-            ))),
+        let batch = self.batch.as_mut()?;
+        let row = batch.rows.next();
+        if batch.rows.len() == 0 {
+            // Its rows are taken: its bytes no longer count against the read-ahead, even while
+            // the caller waits on its own client.
+            self.batch = None;
         }
+        Some(row.ok_or_else(stopped_short))
     }
 
     /// Whether another page follows; known once [`ListStream::next_row`] returned `None`.
@@ -245,6 +282,7 @@ impl ListStream {
             unstarted: None,
             deliveries,
             batch: None,
+            read_ahead: Arc::new(Semaphore::new(1)),
             limit: None,
             delivered: 0,
             limit_key: None,
@@ -347,64 +385,65 @@ fn row_of(row: &QueryResult, bodies: Option<BodyCodec>) -> Result<ListRow, Store
     })
 }
 
-/// Reads the rows into `deliver` in batches, then a last [`Delivery`]. Stops early when the
-/// reader is gone.
+/// The reader found the channel closed, or an empty batch, before the page's last word.
+fn stopped_short() -> StoreError {
+    StoreError::Inconsistent("the list's read stopped before the end of the page".into())
+}
+
+/// Reads the rows into batches, then a last [`Delivery`]. Stops early when the reader is gone.
 async fn read_rows(
     Read {
         txn,
         statement,
         bodies,
-        read_ahead,
-        read_ahead_bytes,
-        deliver,
+        hand_over,
     }: Read,
 ) {
-    let hand_over = |rows: Vec<ListRow>, bytes: usize| {
-        let (read_ahead, deliver) = (read_ahead.clone(), &deliver);
-        async move {
-            // A batch larger than the whole read-ahead waits until nothing else is held.
-            let bytes = u32::try_from(bytes.min(read_ahead_bytes)).unwrap_or(u32::MAX);
-            let Ok(held) = read_ahead.acquire_many_owned(bytes).await else {
-                return false;
-            };
-            let batch = Batch {
-                rows: rows.into_iter(),
-                _read_ahead: Some(held),
-            };
-            deliver.send(Delivery::Rows(batch)).is_ok()
-        }
-    };
     let outcome: Result<(), StoreError> = async {
         let mut rows = txn.stream(&statement).await?;
         let (mut batch, mut bytes) = (Vec::new(), 0);
-        while let Some(row) = rows.next().await {
+        let mut ready = None;
+        loop {
+            let next = match ready.take() {
+                Some(next) => next,
+                None => rows.next().await,
+            };
+            let Some(row) = next else { break };
             let row = row_of(&row?, bodies)?;
             bytes += row.bytes();
             batch.push(row);
-            if bytes >= LIST_BATCH_BYTES {
-                let (full, size) = (std::mem::take(&mut batch), std::mem::take(&mut bytes));
-                if !hand_over(full, size).await {
-                    return Ok(());
+            // A batch goes when full, or when the database has no row ready: a selective
+            // query's matches go out as they are found, not once 64 KiB of them are.
+            if bytes < LIST_BATCH_BYTES {
+                ready = rows.next().now_or_never();
+                if ready.is_some() {
+                    continue;
                 }
+            }
+            let (full, size) = (std::mem::take(&mut batch), std::mem::take(&mut bytes));
+            if !hand_over.send(full, size).await? {
+                return Ok(());
             }
         }
         if !batch.is_empty() {
-            hand_over(batch, bytes).await;
+            hand_over.send(batch, bytes).await?;
         }
         Ok(())
     }
     .await;
     match outcome {
         Ok(()) => {
-            let _ = deliver.send(Delivery::End);
-            // Read-only: the rows are valid whatever the commit says.
+            let _ = hand_over.deliver.send(Delivery::End);
+            // Read-only: the rows are valid whatever the commit says. PostgreSQL may have
+            // ended the session meanwhile, when a slow reader left it idle in the transaction
+            // after the last row went out (`--db-idle-in-transaction-timeout-seconds`).
             if let Err(e) = txn.commit().await {
-                tracing::warn!(error = %e, "ending a list's read transaction failed");
+                tracing::debug!(error = %e, "ending a list's read transaction failed");
             }
         }
         // The transaction rolls back on drop.
         Err(e) => {
-            let _ = deliver.send(Delivery::Failed(e));
+            let _ = hand_over.deliver.send(Delivery::Failed(e));
         }
     }
 }
@@ -564,10 +603,19 @@ impl Store {
         let statement = self.list_statement(query);
         let bodies = (!query.metadata_only).then(|| self.bodies());
         let (deliver, deliveries) = mpsc::unbounded_channel();
+        // Permits are counted in u32, and tokio allows fewer on 32-bit targets (2^29 - 1): a
+        // larger setting is lowered to what fits.
         let read_ahead_bytes = self
             .options
             .list_read_ahead_bytes
             .clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize));
+        let read_ahead = Arc::new(Semaphore::new(read_ahead_bytes));
+        let hand_over = HandOver {
+            read_ahead: read_ahead.clone(),
+            read_ahead_bytes,
+            stall_timeout: self.options.idle_in_transaction_timeout,
+            deliver,
+        };
         Ok(ListStream {
             resource_version,
             compacted,
@@ -575,12 +623,11 @@ impl Store {
                 txn,
                 statement,
                 bodies,
-                read_ahead: Arc::new(Semaphore::new(read_ahead_bytes)),
-                read_ahead_bytes,
-                deliver,
+                hand_over,
             }),
             deliveries,
             batch: None,
+            read_ahead,
             limit: query.limit,
             delivered: 0,
             limit_key: None,
@@ -710,6 +757,63 @@ mod tests {
         assert!(!page.more());
         let count = store.count(&POLICY_REPORT).await.unwrap();
         assert_eq!(count, 6, "the connection is back once the page is read");
+    }
+
+    /// A store whose lists read one batch ahead of their reader and wait `stall` for it.
+    async fn lagging_list_store(dir: &tempfile::TempDir, stall: Duration) -> Store {
+        let options = StoreOptions {
+            list_read_ahead_bytes: 1,
+            idle_in_transaction_timeout: stall,
+            ..StoreOptions::new(String::new())
+        };
+        let names = ["a", "b", "c", "d", "e", "f"];
+        store_of(dir, &names, LIST_BATCH_BYTES / 2, options).await
+    }
+
+    #[tokio::test]
+    async fn a_list_whose_reader_stops_taking_rows_ends_and_frees_its_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = lagging_list_store(&dir, Duration::from_millis(200)).await;
+        let mut page = store
+            .list_stream(&ListQuery::all(&POLICY_REPORT))
+            .await
+            .unwrap();
+        page.next_row().await.unwrap().unwrap();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let count = store.count(&POLICY_REPORT).await;
+        assert_eq!(
+            count.unwrap(),
+            6,
+            "the stalled read gave its connection back"
+        );
+        let mut outcome = Vec::new();
+        while let Some(row) = page.next_row().await {
+            outcome.push(row.map(|r| r.name));
+        }
+        let last = outcome.pop().expect("an outcome");
+        assert!(
+            matches!(last, Err(StoreError::ReaderStalled(_))),
+            "the page ends with why: {last:?}"
+        );
+        assert!(outcome.iter().all(Result::is_ok), "{outcome:?}");
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_goes_away_while_the_read_waits_for_it_ends_the_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = lagging_list_store(&dir, Duration::from_secs(60)).await;
+        let mut page = store
+            .list_stream(&ListQuery::all(&POLICY_REPORT))
+            .await
+            .unwrap();
+        page.next_row().await.unwrap().unwrap();
+        drop(page);
+        let count = store.count(&POLICY_REPORT).await;
+        assert_eq!(
+            count.unwrap(),
+            6,
+            "the abandoned read gave its connection back"
+        );
     }
 
     fn first_two(after: Option<(String, String)>) -> ListQuery {

@@ -156,6 +156,16 @@ fn main() -> Result<()> {
                 "--seed loads through our store: target {t} has none (postgres, sqlite and their -direct forms do)"
             );
         }
+        let phases: Vec<&str> = args.phases.split(',').collect();
+        if let Some(p) = ["create", "update", "watch-latency"]
+            .into_iter()
+            .find(|p| phases.contains(p))
+        {
+            bail!(
+                "--seed measures reads of what it loaded: phase {p} would write through the API \
+                 (use e.g. --phases raw-list,metadata-list,list)"
+            );
+        }
     }
     if args
         .targets
@@ -299,7 +309,7 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
         cmd.args(["--database-url", &url]);
         run_driver(cmd)?;
         add_disk_figure(json, &disk)?;
-        return add_floor_figure(args, &url, json, work.path());
+        return add_floor_figure(args, &url, json);
     }
 
     let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
@@ -391,7 +401,7 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
     if let Some(url) = floor_url
         && args.driver == "bench"
     {
-        add_floor_figure(args, &url, json, work.path())?;
+        add_floor_figure(args, &url, json)?;
     }
     Ok(())
 }
@@ -417,8 +427,10 @@ fn seed(args: &Args, url: &str, size: u64) -> Result<()> {
 /// Adds the database's floor for a full list to a run's JSON: one `SELECT` of every stored body
 /// (`bench --phases database-read`), on the run's database once the server has stopped, so that
 /// the summary can put each list against what the database alone takes.
-fn add_floor_figure(args: &Args, url: &str, json: &Path, work: &Path) -> Result<()> {
-    let floor = work.join("floor.json");
+fn add_floor_figure(args: &Args, url: &str, json: &Path) -> Result<()> {
+    // Not next to an SQLite database, whose directory's size is the disk figure.
+    let dir = tempfile::tempdir()?;
+    let floor = dir.path().join("floor.json");
     let mut cmd = Command::new(args.server_bin.as_ref().expect("checked in main"));
     cmd.arg("bench")
         .args(["--phases", "database-read", "--database-url", url])
@@ -431,7 +443,12 @@ fn add_floor_figure(args: &Args, url: &str, json: &Path, work: &Path) -> Result<
     let figures = doc["figures"]
         .as_array()
         .context("the floor's JSON has no figures")?;
-    push_figures(json, figures.iter().cloned())
+    // Only the floor itself: the floor process's own CPU and memory are not the target's.
+    let floor = figures
+        .iter()
+        .filter(|f| f["key"] == "database_read_seconds")
+        .cloned();
+    push_figures(json, floor)
 }
 
 /// Appends figures to a run's JSON.
