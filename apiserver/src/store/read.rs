@@ -759,26 +759,28 @@ mod tests {
         assert_eq!(count, 6, "the connection is back once the page is read");
     }
 
-    /// A store whose lists read one batch ahead of their reader and wait `stall` for it.
-    async fn lagging_list_store(dir: &tempfile::TempDir, stall: Duration) -> Store {
+    /// A store of six objects whose lists read one batch ahead of their reader and wait
+    /// `stall` for it, and an unlimited list of them whose first row was taken.
+    async fn lagging_list(dir: &tempfile::TempDir, stall: Duration) -> (Store, ListStream) {
         let options = StoreOptions {
             list_read_ahead_bytes: 1,
             idle_in_transaction_timeout: stall,
             ..StoreOptions::new(String::new())
         };
         let names = ["a", "b", "c", "d", "e", "f"];
-        store_of(dir, &names, LIST_BATCH_BYTES / 2, options).await
-    }
-
-    #[tokio::test]
-    async fn a_list_whose_reader_stops_taking_rows_ends_and_frees_its_connection() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = lagging_list_store(&dir, Duration::from_millis(200)).await;
+        let store = store_of(dir, &names, LIST_BATCH_BYTES / 2, options).await;
         let mut page = store
             .list_stream(&ListQuery::all(&POLICY_REPORT))
             .await
             .unwrap();
         page.next_row().await.unwrap().unwrap();
+        (store, page)
+    }
+
+    #[tokio::test]
+    async fn a_list_whose_reader_stops_taking_rows_ends_and_frees_its_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut page) = lagging_list(&dir, Duration::from_millis(200)).await;
         tokio::time::sleep(Duration::from_millis(600)).await;
         let count = store.count(&POLICY_REPORT).await;
         assert_eq!(
@@ -801,12 +803,7 @@ mod tests {
     #[tokio::test]
     async fn a_reader_that_goes_away_while_the_read_waits_for_it_ends_the_read() {
         let dir = tempfile::tempdir().unwrap();
-        let store = lagging_list_store(&dir, Duration::from_secs(60)).await;
-        let mut page = store
-            .list_stream(&ListQuery::all(&POLICY_REPORT))
-            .await
-            .unwrap();
-        page.next_row().await.unwrap().unwrap();
+        let (store, page) = lagging_list(&dir, Duration::from_secs(60)).await;
         drop(page);
         let count = store.count(&POLICY_REPORT).await;
         assert_eq!(

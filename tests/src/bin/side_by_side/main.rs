@@ -211,20 +211,26 @@ async fn run_all(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// `reports-server bench --phases <phases>`, quiet but for warnings: the driver, the seed and
+/// the floor all run it.
+fn bench(args: &Args, phases: &str) -> Command {
+    let mut cmd = Command::new(args.server_bin.as_ref().expect("checked in main"));
+    cmd.args(["bench", "--phases", phases])
+        .env("REPORTS_SERVER_LOG", "warn");
+    cmd
+}
+
 /// The driver's command line for `size` reports, writing `json`.
 fn driver(args: &Args, target: &str, size: u64, json: &Path) -> Command {
-    let mut cmd = Command::new(args.server_bin.as_ref().expect("checked in main"));
-    cmd.arg("bench")
-        .args(["--target", target])
+    let mut cmd = bench(args, &args.phases);
+    cmd.args(["--target", target])
         .args(["--reports", &size.to_string()])
         .args(["--namespaces", &args.namespaces.to_string()])
         .args(["--concurrency", &args.concurrency.to_string()])
         .args(["--repeat", &args.repeat.to_string()])
         .args(["--watchers", &args.watchers])
-        .args(["--phases", &args.phases])
         .arg("--json")
-        .arg(json)
-        .env("REPORTS_SERVER_LOG", "warn");
+        .arg(json);
     cmd
 }
 
@@ -410,12 +416,10 @@ async fn run_one(args: &Args, target: &str, size: u64, json: &Path) -> Result<()
 /// import does (`bench --phases seed`), with its progress on stderr.
 fn seed(args: &Args, url: &str, size: u64) -> Result<()> {
     let t = Instant::now();
-    let mut cmd = Command::new(args.server_bin.as_ref().expect("checked in main"));
-    cmd.arg("bench")
-        .args(["--phases", "seed", "--database-url", url])
+    let mut cmd = bench(args, "seed");
+    cmd.args(["--database-url", url])
         .args(["--seed-reports", &size.to_string()])
-        .args(["--namespaces", &args.namespaces.to_string()])
-        .env("REPORTS_SERVER_LOG", "warn");
+        .args(["--namespaces", &args.namespaces.to_string()]);
     run_driver(cmd)?;
     eprintln!(
         "[side-by-side] seeded {size} reports in {:.0?}",
@@ -431,13 +435,11 @@ fn add_floor_figure(args: &Args, url: &str, json: &Path) -> Result<()> {
     // Not next to an SQLite database, whose directory's size is the disk figure.
     let dir = tempfile::tempdir()?;
     let floor = dir.path().join("floor.json");
-    let mut cmd = Command::new(args.server_bin.as_ref().expect("checked in main"));
-    cmd.arg("bench")
-        .args(["--phases", "database-read", "--database-url", url])
+    let mut cmd = bench(args, "database-read");
+    cmd.args(["--database-url", url])
         .args(["--repeat", &args.repeat.to_string()])
         .arg("--json")
-        .arg(&floor)
-        .env("REPORTS_SERVER_LOG", "warn");
+        .arg(&floor);
     run_driver(cmd)?;
     let doc: Value = serde_json::from_slice(&fs::read(&floor)?)?;
     let figures = doc["figures"]
