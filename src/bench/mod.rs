@@ -16,6 +16,9 @@
 //! - `raw-list`: the same pages read as bytes, parsing only each item's name and the
 //!   `continue` token: what the server and the wire cost, without a client building 10,000
 //!   typed objects (kube-rs decoding a full list costs about as much as serving it);
+//! - `bytes-list`: the same pages taken as bytes and dropped, nothing parsed but the list's
+//!   own `metadata` (for the `continue` token): what the server and the wire cost, like for
+//!   like with `database-read`, which decodes nothing either; checks the number of pages;
 //! - `database-read` (in-process server only): every stored body read with one `SELECT`
 //!   through the server's own connection pool — the floor a full list is compared with;
 //! - `metadata-list`: the same as `PartialObjectMetadataList` (what metadata informers and
@@ -55,7 +58,9 @@ use figures::{Figures, Processes, load_average, mb};
 use futures::{StreamExt, TryStreamExt};
 use kube::api::Api;
 use load::{create, ensure_namespaces, update};
-use reads::{kubectl_get_all, list_all, list_metadata_all, list_raw_all, read_every_body};
+use reads::{
+    kubectl_get_all, list_all, list_bytes_all, list_metadata_all, list_raw_all, read_every_body,
+};
 use reports_server_apiserver::http::ApiOptions;
 use reports_server_apiserver::startup::{self, RunningServer, ServerConfig};
 use reports_server_apiserver::store::StoreOptions;
@@ -66,12 +71,13 @@ use serde_json::json;
 use watch_latency::{latency_namespace, watch_latency};
 
 /// Every phase, in the order they run.
-const PHASES: [&str; 12] = [
+const PHASES: [&str; 13] = [
     "seed",
     "create",
     "update",
     "list",
     "raw-list",
+    "bytes-list",
     "database-read",
     "metadata-list",
     "kubectl-get",
@@ -407,6 +413,7 @@ impl Run<'_> {
                 Ok(())
             }
             "list" | "raw-list" | "metadata-list" | "kubectl-get" => self.list(phase).await,
+            "bytes-list" => self.bytes_list().await,
             "database-read" => {
                 let s = self
                     .server
@@ -417,7 +424,7 @@ impl Run<'_> {
                     "SELECT every stored body (the database's floor for a full list)",
                     "s",
                     &samples,
-                    &format!("{} bodies, {} as stored", read.0, mb(read.1)),
+                    &format!("{} bodies, {} of JSON", read.0, mb(read.1)),
                 );
                 Ok(())
             }
@@ -541,6 +548,33 @@ impl Run<'_> {
             ),
         };
         self.figures.add(key, label, "s", &samples, &detail);
+        Ok(())
+    }
+
+    /// Phase `bytes-list`: every page as bytes, and the number of pages a list of what this run
+    /// wrote takes (at least that many when the API may hold more).
+    async fn bytes_list(&mut self) -> anyhow::Result<()> {
+        let (args, created) = (self.args, self.created.len() + self.seeded);
+        let shared = args.kubeconfig.is_some() || args.database_url.is_some();
+        let expected = created.div_ceil(args.page_size as usize).max(1);
+        let (samples, (pages, bytes)) = repeated(args.repeat, || async {
+            let (pages, bytes) = list_bytes_all(&self.client, args.page_size).await?;
+            if pages != expected && !(shared && pages > expected) {
+                bail!("bytes-list took {pages} pages, {expected} expected for {created} objects");
+            }
+            Ok((pages, bytes))
+        })
+        .await?;
+        self.figures.add(
+            "bytes_list_seconds",
+            format!(
+                "paginated list taken as bytes, nothing parsed (limit={})",
+                args.page_size
+            ),
+            "s",
+            &samples,
+            &format!("{pages} pages, {}", mb(bytes)),
+        );
         Ok(())
     }
 

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use anyhow::{Context, bail};
+use http_body_util::BodyExt as _;
 use kube::api::{Api, ListParams};
 use reports_server_apiserver::store::Store;
 use reports_server_crds::PolicyReport;
@@ -51,10 +52,11 @@ pub(super) async fn list_raw_all(client: &kube::Client, page_size: u32) -> anyho
     Ok(walk_pages(page_size, |params| {
         let (client, request) = (client.clone(), &request);
         async move {
-            let bytes = client
-                .request_text(request.list(&params).context("list request")?)
+            let bytes = page_bytes(&client, request, &params)
+                .await?
+                .collect_bytes()
                 .await?;
-            let page: Page = serde_json::from_str(&bytes).context("list page")?;
+            let page: Page = serde_json::from_slice(&bytes).context("list page")?;
             Ok(KeysPage {
                 keys: page
                     .items
@@ -69,10 +71,117 @@ pub(super) async fn list_raw_all(client: &kube::Client, page_size: u32) -> anyho
     .0)
 }
 
-/// Every stored PolicyReport body, read through the server's own connection and dropped as it
-/// arrives (so that a million bodies fit): (bodies, bytes as stored — compressed on SQLite).
+/// One page of `request` with `params`, its body not yet read; an error status is an error.
+async fn page_bytes(
+    client: &kube::Client,
+    request: &kube::core::Request,
+    params: &ListParams,
+) -> anyhow::Result<kube::client::Body> {
+    let request = request.list(params).context("list request")?;
+    let response = client.send(request.map(kube::client::Body::from)).await?;
+    let status = response.status();
+    if !status.is_success() {
+        let body = response
+            .into_body()
+            .collect_bytes()
+            .await
+            .unwrap_or_default();
+        bail!("list page: {status}: {}", String::from_utf8_lossy(&body));
+    }
+    Ok(response.into_body())
+}
+
+/// The pages of [`list_raw_all`] taken as bytes as they arrive, and dropped: nothing is parsed
+/// but the list's own `metadata` for the `continue` token, found at either end of the page
+/// (after the items as this server writes it, before them as Go servers do). What a list
+/// costs the server and the wire, next to the database's floor, which decodes nothing either.
+/// Returns (pages, bytes).
+pub(super) async fn list_bytes_all(
+    client: &kube::Client,
+    page_size: u32,
+) -> anyhow::Result<(usize, u64)> {
+    let url = format!(
+        "/apis/{}/{}/{}",
+        POLICY_REPORT.group, POLICY_REPORT.version, POLICY_REPORT.plural
+    );
+    let request = kube::core::Request::new(url);
+    let (mut pages, mut bytes) = (0, 0u64);
+    let mut params = ListParams::default().limit(page_size);
+    loop {
+        let mut body = page_bytes(client, &request, &params).await?;
+        let mut ends = PageEnds::default();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                bytes += data.len() as u64;
+                ends.push(&data);
+            }
+        }
+        pages += 1;
+        match ends.continue_token()?.filter(|c| !c.is_empty()) {
+            Some(c) => params = params.continue_token(&c),
+            None => return Ok((pages, bytes)),
+        }
+    }
+}
+
+/// The first and last [`PageEnds::KEPT`] bytes of a list page: where its own `metadata` is.
+#[derive(Default)]
+struct PageEnds {
+    head: Vec<u8>,
+    tail: std::collections::VecDeque<u8>,
+}
+
+impl PageEnds {
+    const KEPT: usize = 4096;
+
+    fn push(&mut self, data: &[u8]) {
+        let room = Self::KEPT.saturating_sub(self.head.len());
+        self.head.extend_from_slice(&data[..room.min(data.len())]);
+        let recent = &data[data.len().saturating_sub(Self::KEPT)..];
+        self.tail.extend(recent);
+        let excess = self.tail.len().saturating_sub(Self::KEPT);
+        self.tail.drain(..excess);
+    }
+
+    /// The list's `metadata.continue`: in the head when `metadata` precedes `items`, else the
+    /// last `metadata` of the tail (every item's own `metadata` comes before it).
+    fn continue_token(&self) -> anyhow::Result<Option<String>> {
+        #[derive(serde::Deserialize)]
+        struct ListMeta {
+            #[serde(rename = "continue")]
+            continue_: Option<String>,
+        }
+        const KEY: &[u8] = b"\"metadata\":";
+        let tail = self.tail.iter().copied().collect::<Vec<u8>>();
+        let before_items = find(&self.head, b"\"items\":").map_or(&[][..], |i| &self.head[..i]);
+        let meta = match find(before_items, KEY) {
+            Some(at) => &before_items[at + KEY.len()..],
+            None => {
+                let at = rfind(&tail, KEY).context("no list metadata at either end of a page")?;
+                &tail[at + KEY.len()..]
+            }
+        };
+        let mut values = serde_json::Deserializer::from_slice(meta).into_iter::<ListMeta>();
+        let meta = values
+            .next()
+            .context("list metadata")?
+            .context("list metadata")?;
+        Ok(meta.continue_)
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+fn rfind(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).rposition(|w| w == needle)
+}
+
+/// Every stored PolicyReport body, read through the server's own connection, decoded as a
+/// list decodes it (decompressed on SQLite, as PostgreSQL decompresses inside the database) and
+/// dropped as it arrives (so that a million bodies fit): (bodies, bytes of JSON).
 pub(super) async fn read_every_body(store: &Store) -> anyhow::Result<(usize, u64)> {
-    let sqlite = store.backend() == sea_orm::DbBackend::Sqlite;
     let mut bytes = 0u64;
     let rows = store
         .for_each_raw_row(
@@ -82,11 +191,7 @@ pub(super) async fn read_every_body(store: &Store) -> anyhow::Result<(usize, u64
                 Store::resource_key(&POLICY_REPORT)
             ),
             |row| {
-                bytes += if sqlite {
-                    row.try_get::<Vec<u8>>("", "body")?.len()
-                } else {
-                    row.try_get::<String>("", "body")?.len()
-                } as u64;
+                bytes += store.body_of(row, "body", || "a stored body".into())?.len() as u64;
                 Ok(())
             },
         )
@@ -177,4 +282,57 @@ pub(super) async fn kubectl_get_all(kubeconfig: &Path) -> anyhow::Result<usize> 
         .split(|b| *b == b'\n')
         .filter(|l| !l.is_empty())
         .count())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `page` cut into frames of `size` bytes, as they would arrive.
+    fn ends_of(page: &str, size: usize) -> PageEnds {
+        let mut ends = PageEnds::default();
+        for frame in page.as_bytes().chunks(size) {
+            ends.push(frame);
+        }
+        ends
+    }
+
+    fn items(n: usize) -> String {
+        let item = r#"{"metadata":{"name":"r","continue":"not this one"},"results":[]}"#;
+        vec![item; n].join(",")
+    }
+
+    #[test]
+    fn the_continue_token_is_found_after_the_items_as_this_server_writes_it() {
+        let page = format!(
+            r#"{{"apiVersion":"v1","items":[{}],"kind":"L","metadata":{{"continue":"abc","resourceVersion":"7"}}}}"#,
+            items(200)
+        );
+        for size in [1, 7, 4096, page.len()] {
+            let token = ends_of(&page, size).continue_token().unwrap();
+            assert_eq!(token.as_deref(), Some("abc"), "frames of {size}");
+        }
+    }
+
+    #[test]
+    fn the_continue_token_is_found_before_the_items_as_go_servers_write_it() {
+        let page = format!(
+            r#"{{"kind":"L","apiVersion":"v1","metadata":{{"resourceVersion":"7","continue":"xyz"}},"items":[{}]}}"#,
+            items(200)
+        );
+        for size in [3, 4096, page.len()] {
+            let token = ends_of(&page, size).continue_token().unwrap();
+            assert_eq!(token.as_deref(), Some("xyz"), "frames of {size}");
+        }
+    }
+
+    #[test]
+    fn the_last_page_has_no_token_and_a_page_without_metadata_is_an_error() {
+        let last = format!(
+            r#"{{"apiVersion":"v1","items":[{}],"kind":"L","metadata":{{"resourceVersion":"7"}}}}"#,
+            items(3)
+        );
+        assert_eq!(ends_of(&last, 64).continue_token().unwrap(), None);
+        assert!(ends_of(r#"{"items":[]}"#, 64).continue_token().is_err());
+    }
 }

@@ -701,25 +701,40 @@ impl Writer {
     }
 }
 
+/// A pooled connection used this recently is handed out without a ping first: a ping on every
+/// acquire (sqlx's default) is one more round trip per request, as long as the request's own
+/// on a get, and the connection was working a moment ago.
+const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
+
 /// `pool` closing the connections `health` says are stale (opened before a read-only answer,
 /// which may lead to a demoted primary, or before an outage, after which they may be half-open)
 /// when they are next taken and when they are released. On release sqlx would otherwise ping
 /// them first, without a deadline: on a half-open connection that ping holds a pool slot until
 /// TCP gives up, and a pool whose slots are all held answers "pool timed out" long after the
 /// database is back.
+///
+/// A connection that idled [`PING_AFTER_IDLE`] is pinged before use, as sqlx would ping every
+/// one: the server, a proxy or a firewall may have dropped it meanwhile.
 fn closing_stale<DB: sqlx::Database>(
     pool: sqlx::pool::PoolOptions<DB>,
     health: &health::DatabaseHealth,
 ) -> sqlx::pool::PoolOptions<DB> {
+    use sqlx::Connection as _;
     let (on_acquire, on_release) = (health.clone(), health.clone());
-    pool.before_acquire(move |_, opened| {
-        let keep = on_acquire.keeps_connection(opened.age);
-        Box::pin(async move { Ok(keep) })
-    })
-    .after_release(move |_, opened| {
-        let keep = on_release.keeps_connection(opened.age);
-        Box::pin(async move { Ok(keep) })
-    })
+    pool.test_before_acquire(false)
+        .before_acquire(move |db, opened| {
+            let keep = on_acquire.keeps_connection(opened.age);
+            Box::pin(async move {
+                if keep && opened.idle_for >= PING_AFTER_IDLE {
+                    db.ping().await?;
+                }
+                Ok(keep)
+            })
+        })
+        .after_release(move |_, opened| {
+            let keep = on_release.keeps_connection(opened.age);
+            Box::pin(async move { Ok(keep) })
+        })
 }
 
 /// Has PostgreSQL end this session when it idles `after` inside a transaction: a client that
@@ -772,6 +787,7 @@ async fn open_database(
         .connect_lazy(lazy)
         .connect_timeout(options.connect_timeout)
         .acquire_timeout(options.connect_timeout)
+        .test_before_acquire_if_idle_for(PING_AFTER_IDLE)
         .sqlx_logging(false);
     let postgres = health.clone();
     let idle_in_transaction = options.idle_in_transaction_timeout;
