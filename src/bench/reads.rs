@@ -93,9 +93,9 @@ async fn page_bytes(
 
 /// The pages of [`list_raw_all`] taken as bytes as they arrive, and dropped: nothing is parsed
 /// but the list's own `metadata` for the `continue` token, found at either end of the page
-/// (after the items as this server writes it, before them as Go servers do). What a list
-/// costs the server and the wire, next to the database's floor, which decodes nothing either.
-/// Returns (pages, bytes).
+/// (after the items as this server and kube-apiserver write it, before them as Go structs
+/// such as the peer's encode it). What a list costs the server and the wire, next to the
+/// database's floor, which hands the bodies over and parses none. Returns (pages, bytes).
 pub(super) async fn list_bytes_all(
     client: &kube::Client,
     page_size: u32,
@@ -118,6 +118,9 @@ pub(super) async fn list_bytes_all(
         }
         pages += 1;
         match ends.continue_token()?.filter(|c| !c.is_empty()) {
+            Some(c) if params.continue_token.as_ref() == Some(&c) => {
+                bail!("page {pages} gave the continue token it was asked with: {c}")
+            }
             Some(c) => params = params.continue_token(&c),
             None => return Ok((pages, bytes)),
         }
@@ -154,19 +157,24 @@ impl PageEnds {
         const KEY: &[u8] = b"\"metadata\":";
         let tail = self.tail.iter().copied().collect::<Vec<u8>>();
         let before_items = find(&self.head, b"\"items\":").map_or(&[][..], |i| &self.head[..i]);
-        let meta = match find(before_items, KEY) {
-            Some(at) => &before_items[at + KEY.len()..],
+        let (meta, last) = match find(before_items, KEY) {
+            Some(at) => (&before_items[at + KEY.len()..], false),
             None => {
                 let at = rfind(&tail, KEY).context("no list metadata at either end of a page")?;
-                &tail[at + KEY.len()..]
+                (&tail[at + KEY.len()..], true)
             }
         };
         let mut values = serde_json::Deserializer::from_slice(meta).into_iter::<ListMeta>();
-        let meta = values
+        let list_meta = values
             .next()
             .context("list metadata")?
             .context("list metadata")?;
-        Ok(meta.continue_)
+        // After the items, the list's `metadata` closes the page; an item's would not.
+        let rest = &meta[values.byte_offset()..];
+        if last && rest.iter().filter(|b| !b.is_ascii_whitespace()).ne(b"}") {
+            bail!("the last metadata of a page is not the list's: a page cut short?");
+        }
+        Ok(list_meta.continue_)
     }
 }
 
@@ -191,7 +199,7 @@ pub(super) async fn read_every_body(store: &Store) -> anyhow::Result<(usize, u64
                 Store::resource_key(&POLICY_REPORT)
             ),
             |row| {
-                bytes += store.body_of(row, "body", || "a stored body".into())?.len() as u64;
+                bytes += store.body_of_row(row, || "a stored body".into())?.len() as u64;
                 Ok(())
             },
         )
@@ -334,5 +342,7 @@ mod tests {
         );
         assert_eq!(ends_of(&last, 64).continue_token().unwrap(), None);
         assert!(ends_of(r#"{"items":[]}"#, 64).continue_token().is_err());
+        let cut_short = r#"{"apiVersion":"v1","items":[{"metadata":{"name":"r"},"spec":{}}"#;
+        assert!(ends_of(cut_short, 64).continue_token().is_err());
     }
 }

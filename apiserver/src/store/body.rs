@@ -99,8 +99,15 @@ pub(super) fn decode(stored: Vec<u8>) -> Result<String, String> {
                 .get(..4)
                 .map(|n| u32::from_le_bytes(n.try_into().expect("four bytes")) as usize);
             match declared {
-                Some(n) if n <= MAX_BODY_BYTES => lz4_flex::decompress_size_prepended(block)
-                    .map_err(|e| format!("its compressed body does not decompress: {e}"))?,
+                Some(n) if n <= MAX_BODY_BYTES => {
+                    let text = lz4_flex::decompress_size_prepended(block)
+                        .map_err(|e| format!("its compressed body does not decompress: {e}"))?;
+                    if text.len() != n {
+                        let got = text.len();
+                        return Err(format!("its compressed body claims {n} bytes, holds {got}"));
+                    }
+                    text
+                }
                 Some(n) => return Err(format!("its compressed body claims {n} bytes")),
                 None => return Err("its compressed body is truncated".into()),
             }
@@ -166,6 +173,10 @@ mod tests {
         cut.truncate(good.len() - 3);
         assert!(decode(cut).is_err());
         assert!(decode(vec![b'{', 0xff]).unwrap_err().contains("UTF-8"));
+        // A declared length beyond what the block holds: the block decodes, short.
+        let mut longer = good.clone();
+        longer[1] += 1;
+        assert!(decode(longer).unwrap_err().contains("holds"));
     }
 
     proptest! {

@@ -365,7 +365,7 @@ impl Store {
     /// Connects, runs migrations and starts the change feed and the health probe.
     pub async fn connect(options: StoreOptions) -> Result<Self, StoreError> {
         let health = health::DatabaseHealth::default();
-        let db = open_database(&options, false, &health).await?;
+        let db = open_database(&options, false, &health, PING_AFTER_IDLE).await?;
         let store = Store::on(db, options, health);
         store.start().await?;
         Ok(store)
@@ -383,7 +383,7 @@ impl Store {
             ..options.clone()
         };
         let health = health::DatabaseHealth::default();
-        let attempt = match open_database(&first, false, &health).await {
+        let attempt = match open_database(&first, false, &health, PING_AFTER_IDLE).await {
             Ok(reachable) => {
                 drop(reachable);
                 Store::connect(options.clone()).await
@@ -395,7 +395,7 @@ impl Store {
             Err(e) if e.is_transient() => e,
             Err(e) => return Err(e),
         };
-        let db = open_database(&options, true, &health).await?;
+        let db = open_database(&options, true, &health, PING_AFTER_IDLE).await?;
         let store = Store::on(db, options, health);
         store.health.could_not_start(&e);
         tracing::warn!(error = %e, "the database does not answer; serving discovery now, data once it answers");
@@ -440,7 +440,9 @@ impl Store {
         let mut probe_options = (*self.options).clone();
         probe_options.max_connections = 1;
         probe_options.connect_timeout = self.options.probe_timeout;
-        let probe = open_database(&probe_options, true, &self.health).await?;
+        // The probe's one connection is pinged on every use: a connection the database closed
+        // must not look like an outage.
+        let probe = open_database(&probe_options, true, &self.health, Duration::ZERO).await?;
         tokio::spawn(
             self.health
                 .clone()
@@ -524,7 +526,7 @@ impl Store {
 
     /// The JSON text of the `body` column of a row of `objects` read with SQL of one's own
     /// (on SQLite bodies are stored compressed); `what` names the object in errors.
-    pub(crate) fn body_of_row(
+    pub fn body_of_row(
         &self,
         row: &sea_orm::QueryResult,
         what: impl Fn() -> String,
@@ -676,7 +678,9 @@ impl Writer {
             max_connections: 1,
             ..options.clone()
         };
-        let db = open_database(&single, true, &self.health).await?;
+        // Pinged on every round: a connection closed since the last round would otherwise fail
+        // every write of the next one.
+        let db = open_database(&single, true, &self.health, Duration::ZERO).await?;
         self.db = Some(db.clone());
         Ok(db)
     }
@@ -701,9 +705,9 @@ impl Writer {
     }
 }
 
-/// A pooled connection used this recently is handed out without a ping first: a ping on every
-/// acquire (sqlx's default) is one more round trip per request, as long as the request's own
-/// on a get, and the connection was working a moment ago.
+/// A pooled connection of the request pools used this recently is handed out without a ping
+/// first: a ping on every acquire (sqlx's default) is one more round trip per request, as long
+/// as a get's own, and sqlx pinged the connection when it came back to the pool.
 const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 /// `pool` closing the connections `health` says are stale (opened before a read-only answer,
@@ -713,11 +717,13 @@ const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 /// TCP gives up, and a pool whose slots are all held answers "pool timed out" long after the
 /// database is back.
 ///
-/// A connection that idled [`PING_AFTER_IDLE`] is pinged before use, as sqlx would ping every
-/// one: the server, a proxy or a firewall may have dropped it meanwhile.
+/// A connection idle for `ping_after_idle` or longer is pinged before use, as sqlx would ping
+/// every one: the server, a proxy or a firewall may have dropped it meanwhile. A stale one is
+/// closed without a ping.
 fn closing_stale<DB: sqlx::Database>(
     pool: sqlx::pool::PoolOptions<DB>,
     health: &health::DatabaseHealth,
+    ping_after_idle: Duration,
 ) -> sqlx::pool::PoolOptions<DB> {
     use sqlx::Connection as _;
     let (on_acquire, on_release) = (health.clone(), health.clone());
@@ -725,7 +731,7 @@ fn closing_stale<DB: sqlx::Database>(
         .before_acquire(move |db, opened| {
             let keep = on_acquire.keeps_connection(opened.age);
             Box::pin(async move {
-                if keep && opened.idle_for >= PING_AFTER_IDLE {
+                if keep && opened.idle_for >= ping_after_idle {
                     db.ping().await?;
                 }
                 Ok(keep)
@@ -778,6 +784,7 @@ async fn open_database(
     options: &StoreOptions,
     lazy: bool,
     health: &health::DatabaseHealth,
+    ping_after_idle: Duration,
 ) -> Result<DatabaseConnection, StoreError> {
     check_database_url(&options.database_url)?;
     let mut connect = ConnectOptions::new(options.database_url.clone());
@@ -787,18 +794,18 @@ async fn open_database(
         .connect_lazy(lazy)
         .connect_timeout(options.connect_timeout)
         .acquire_timeout(options.connect_timeout)
-        .test_before_acquire_if_idle_for(PING_AFTER_IDLE)
+        .test_before_acquire_if_idle_for(ping_after_idle)
         .sqlx_logging(false);
     let postgres = health.clone();
     let idle_in_transaction = options.idle_in_transaction_timeout;
     connect.map_sqlx_postgres_pool_opts(move |pool| {
-        closing_stale(pool, &postgres).after_connect(move |db, _| {
+        closing_stale(pool, &postgres, ping_after_idle).after_connect(move |db, _| {
             Box::pin(end_abandoned_transactions(db, idle_in_transaction))
         })
     });
     let mysql = health.clone();
     connect.map_sqlx_mysql_pool_opts(move |pool| {
-        closing_stale(pool, &mysql).after_connect(move |db, _| {
+        closing_stale(pool, &mysql, ping_after_idle).after_connect(move |db, _| {
             Box::pin(end_abandoned_mariadb_transactions(db, idle_in_transaction))
         })
     });
@@ -832,7 +839,13 @@ pub async fn downgrade_schema(options: &StoreOptions, to: &str) -> Result<Vec<St
         )));
     }
     change_schema(
-        &open_database(options, false, &health::DatabaseHealth::default()).await?,
+        &open_database(
+            options,
+            false,
+            &health::DatabaseHealth::default(),
+            PING_AFTER_IDLE,
+        )
+        .await?,
         SchemaChange::DownTo(to),
     )
     .await

@@ -677,17 +677,6 @@ impl Store {
         }
         Ok(read)
     }
-
-    /// The JSON text of body column `column` of a row of [`Store::for_each_raw_row`], decoded
-    /// as a list decodes it (decompressed on SQLite); `what` names the row in errors.
-    pub fn body_of(
-        &self,
-        row: &QueryResult,
-        column: &str,
-        what: impl Fn() -> String,
-    ) -> Result<String, StoreError> {
-        BodyCodec::of(self.backend()).decode_required(row, column, what)
-    }
 }
 
 #[cfg(test)]

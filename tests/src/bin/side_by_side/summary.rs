@@ -23,7 +23,7 @@ const COMPARED: [(&str, &str, bool); 19] = [
     ),
     (
         "bytes_list_seconds",
-        "paged list taken as bytes, nothing parsed (s)",
+        "paged list taken as bytes, nothing parsed, limit=500 (s)",
         false,
     ),
     (
