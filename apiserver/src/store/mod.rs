@@ -718,12 +718,15 @@ const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 /// database is back.
 ///
 /// A connection idle for `ping_after_idle` or longer is pinged before use, as sqlx would ping
-/// every one: the server, a proxy or a firewall may have dropped it meanwhile. A stale one is
-/// closed without a ping.
+/// every one: the server, a proxy or a firewall may have dropped it meanwhile. The ping gets
+/// `ping_deadline`: one a dropped connection never answers fails then, and the pool opens a new
+/// connection, instead of holding the request until the acquire timeout. A stale one is closed
+/// without a ping.
 fn closing_stale<DB: sqlx::Database>(
     pool: sqlx::pool::PoolOptions<DB>,
     health: &health::DatabaseHealth,
     ping_after_idle: Duration,
+    ping_deadline: Duration,
 ) -> sqlx::pool::PoolOptions<DB> {
     use sqlx::Connection as _;
     let (on_acquire, on_release) = (health.clone(), health.clone());
@@ -732,7 +735,12 @@ fn closing_stale<DB: sqlx::Database>(
             let keep = on_acquire.keeps_connection(opened.age);
             Box::pin(async move {
                 if keep && opened.idle_for >= ping_after_idle {
-                    db.ping().await?;
+                    tokio::time::timeout(ping_deadline, db.ping())
+                        .await
+                        .map_err(|_| {
+                            let late = format!("no answer to a ping within {ping_deadline:?}");
+                            sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, late))
+                        })??;
                 }
                 Ok(keep)
             })
@@ -797,15 +805,16 @@ async fn open_database(
         .test_before_acquire_if_idle_for(ping_after_idle)
         .sqlx_logging(false);
     let postgres = health.clone();
+    let ping_deadline = options.probe_timeout;
     let idle_in_transaction = options.idle_in_transaction_timeout;
     connect.map_sqlx_postgres_pool_opts(move |pool| {
-        closing_stale(pool, &postgres, ping_after_idle).after_connect(move |db, _| {
-            Box::pin(end_abandoned_transactions(db, idle_in_transaction))
-        })
+        closing_stale(pool, &postgres, ping_after_idle, ping_deadline).after_connect(
+            move |db, _| Box::pin(end_abandoned_transactions(db, idle_in_transaction)),
+        )
     });
     let mysql = health.clone();
     connect.map_sqlx_mysql_pool_opts(move |pool| {
-        closing_stale(pool, &mysql, ping_after_idle).after_connect(move |db, _| {
+        closing_stale(pool, &mysql, ping_after_idle, ping_deadline).after_connect(move |db, _| {
             Box::pin(end_abandoned_mariadb_transactions(db, idle_in_transaction))
         })
     });
