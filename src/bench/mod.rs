@@ -503,12 +503,17 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// The objects this run wrote (created or seeded), which a list must return, and whether
+    /// the API may hold more: behind a kubeconfig, or on a given database (e.g. seeded by an
+    /// earlier run).
+    fn expected_objects(&self) -> (usize, bool) {
+        let shared = self.args.kubeconfig.is_some() || self.args.database_url.is_some();
+        (self.created.len() + self.seeded, shared)
+    }
+
     /// The list phases: each pass reads everything, and must see every created object once.
     async fn list(&mut self, phase: &str) -> anyhow::Result<()> {
-        let (args, created) = (self.args, self.created.len() + self.seeded);
-        // Behind a kubeconfig, or on a given database (e.g. seeded by an earlier run), the API
-        // may hold more than this run wrote.
-        let shared = args.kubeconfig.is_some() || args.database_url.is_some();
+        let (args, (created, shared)) = (self.args, self.expected_objects());
         let (api, client, kubeconfig) = (&self.api, &self.client, &self.kubeconfig);
         let (samples, (n, pages)) = repeated(args.repeat, || async {
             let (n, pages) = match phase {
@@ -557,8 +562,7 @@ impl Run<'_> {
     /// wrote takes (at least that many when the API may hold more, unless it answered in one
     /// page: the peer ignores `limit`).
     async fn bytes_list(&mut self) -> anyhow::Result<()> {
-        let (args, created) = (self.args, self.created.len() + self.seeded);
-        let shared = args.kubeconfig.is_some() || args.database_url.is_some();
+        let (args, (created, shared)) = (self.args, self.expected_objects());
         let expected = match args.page_size {
             0 => 1,
             size => created.div_ceil(size as usize).max(1),
@@ -625,7 +629,7 @@ impl Run<'_> {
         if let Some(n) = self.listed {
             println!(
                 "every object listed exactly once: yes ({n} of {})",
-                self.created.len() + self.seeded
+                self.expected_objects().0
             );
         }
         if let Some(path) = &args.json {

@@ -44,11 +44,7 @@ pub(super) async fn list_raw_all(client: &kube::Client, page_size: u32) -> anyho
         namespace: Option<String>,
         name: String,
     }
-    let url = format!(
-        "/apis/{}/{}/{}",
-        POLICY_REPORT.group, POLICY_REPORT.version, POLICY_REPORT.plural
-    );
-    let request = kube::core::Request::new(url);
+    let request = policy_reports();
     Ok(walk_pages(page_size, |params| {
         let (client, request) = (client.clone(), &request);
         async move {
@@ -69,6 +65,14 @@ pub(super) async fn list_raw_all(client: &kube::Client, page_size: u32) -> anyho
     })
     .await?
     .0)
+}
+
+/// Requests on every PolicyReport, across namespaces.
+fn policy_reports() -> kube::core::Request {
+    kube::core::Request::new(format!(
+        "/apis/{}/{}/{}",
+        POLICY_REPORT.group, POLICY_REPORT.version, POLICY_REPORT.plural
+    ))
 }
 
 /// One page of `request` with `params`, its body not yet read; an error status is an error.
@@ -100,11 +104,7 @@ pub(super) async fn list_bytes_all(
     client: &kube::Client,
     page_size: u32,
 ) -> anyhow::Result<(usize, u64)> {
-    let url = format!(
-        "/apis/{}/{}/{}",
-        POLICY_REPORT.group, POLICY_REPORT.version, POLICY_REPORT.plural
-    );
-    let request = kube::core::Request::new(url);
+    let request = policy_reports();
     let (mut pages, mut bytes) = (0, 0u64);
     let mut params = ListParams::default().limit(page_size);
     loop {

@@ -802,7 +802,6 @@ async fn open_database(
         .connect_lazy(lazy)
         .connect_timeout(options.connect_timeout)
         .acquire_timeout(options.connect_timeout)
-        .test_before_acquire_if_idle_for(ping_after_idle)
         .sqlx_logging(false);
     let postgres = health.clone();
     let ping_deadline = options.probe_timeout;
@@ -819,6 +818,8 @@ async fn open_database(
         })
     });
     if options.database_url.starts_with("sqlite:") {
+        // PostgreSQL and MySQL ping in `closing_stale`, which replaces sea-orm's hook.
+        connect.test_before_acquire_if_idle_for(ping_after_idle);
         connect.map_sqlx_sqlite_opts(|o| {
             o.journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
                 .synchronous(sqlx::sqlite::SqliteSynchronous::Full)

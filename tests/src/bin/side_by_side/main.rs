@@ -157,7 +157,7 @@ fn main() -> Result<()> {
             );
         }
         let phases: Vec<&str> = args.phases.split(',').collect();
-        if let Some(p) = ["create", "update", "watch-latency"]
+        if let Some(p) = ["create", "update", "watch-latency", "rewrite"]
             .into_iter()
             .find(|p| phases.contains(p))
         {
