@@ -1226,6 +1226,12 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
         first.remove("scored");
         odd["results"][3]["result"] = json!("fail");
         odd["results"][3]["message"] = json!("validation error: privileged");
+        // Results with a time other than the report's, and without any.
+        odd["results"][4]["timestamp"]["seconds"] = json!(1_600_000_000);
+        odd["results"][5]
+            .as_object_mut()
+            .unwrap()
+            .remove("timestamp");
         put(&store, "ns-a", "r-00001", odd).await;
         // An update replaces the report's rows.
         let mut updated = report("ns-a", 0, &[]);
@@ -1272,6 +1278,7 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
         assert_eq!(
             undone,
             [
+                "m20261129_000012_report_result_timestamp",
                 "m20261128_000011_compliance_history",
                 "m20261128_000010_cluster_identity",
                 "m20261128_000009_analytics_views",
@@ -1417,15 +1424,11 @@ fn next_version(report: &mut Value, step: u64, rng: &mut Lcg) {
     };
     let results = report["results"].as_array_mut().unwrap();
     let len = results.len();
-    match rng.below(9) {
+    match rng.below(12) {
         // One result changes outcome and message.
         0 if len > 0 => {
             let r = &mut results[rng.below(len)];
-            r["result"] = json!(if r["result"] == "fail" {
-                "pass"
-            } else {
-                "fail"
-            });
+            flip(r);
             r["message"] = json!(format!("changed at step {step}"));
         }
         1 if len > 0 => {
@@ -1450,6 +1453,22 @@ fn next_version(report: &mut Value, step: u64, rng: &mut Lcg) {
         6 => results.clear(),
         7 => {
             report["metadata"]["labels"]["step"] = json!(format!("s{}", step % 3));
+        }
+        // A result of another time than the others (a partial rescan).
+        8 if len > 0 => {
+            results[rng.below(len)]["timestamp"]["seconds"] = json!(1_600_000_000 + step);
+        }
+        // A result without a time.
+        9 if len > 0 => {
+            let r = results[rng.below(len)].as_object_mut().unwrap();
+            r.remove("timestamp");
+        }
+        // A rescan: every result at a new time, one outcome changed.
+        10 if len > 0 => {
+            for r in results.iter_mut() {
+                r["timestamp"]["seconds"] = json!(1_900_000_000 + step);
+            }
+            flip(&mut results[rng.below(len)]);
         }
         // A result about a subject of its own (not the report's scope), or new results.
         _ => {
@@ -1502,9 +1521,118 @@ async fn labels_in(store: &Store, ns: &str) -> Vec<String> {
     out
 }
 
+/// Flips a result's outcome between pass and fail.
+fn flip(result: &mut Value) {
+    result["result"] = json!(if result["result"] == "fail" {
+        "pass"
+    } else {
+        "fail"
+    });
+}
+
+/// The physical identity of each `results` row of report `ns/name`, by slot: PostgreSQL's
+/// `ctid` or SQLite's `rowid`, which a re-inserted row does not keep. MariaDB has none.
+async fn row_identities(
+    store: &Store,
+    backend: Backend,
+    ns: &str,
+    name: &str,
+) -> Option<Vec<(i32, String)>> {
+    let identity = match backend {
+        Backend::Postgres => "CAST(r.ctid AS TEXT)",
+        Backend::Sqlite => "CAST(r.rowid AS TEXT)",
+        Backend::MariaDb => return None,
+    };
+    let rows = store
+        .query_raw(&format!(
+            "SELECT r.ordinal, {identity} AS id FROM results r \
+             JOIN objects o ON o.id = r.object_id \
+             WHERE o.namespace = '{ns}' AND o.name = '{name}' ORDER BY r.ordinal"
+        ))
+        .await
+        .unwrap();
+    Some(
+        rows.iter()
+            .map(|r| {
+                (
+                    r.try_get("", "ordinal").unwrap(),
+                    r.try_get("", "id").unwrap(),
+                )
+            })
+            .collect(),
+    )
+}
+
+/// A Kyverno rescan stamps every result with the scan's time; the rows leave that time to
+/// their report (`m20261129_000012_report_result_timestamp`), so a rescan that changes one
+/// outcome rewrites that one row, whether the update is alone in its round or in a bulk one,
+/// and `report_results` still gives every result its time.
+#[tokio::test]
+async fn a_rescan_rewrites_only_the_rows_whose_outcome_changed() {
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(backend, dir.path()).await;
+        let mut scanned = report("rescan", 1, &[]);
+        put(&store, "rescan", "r-00001", scanned.clone()).await;
+        // Rows inserted after these, so that a re-inserted row cannot get its rowid back.
+        put(&store, "rescan", "r-00002", report("rescan", 2, &[])).await;
+        for round in 0..2 {
+            let before = row_identities(&store, backend, "rescan", "r-00001").await;
+            for r in scanned["results"].as_array_mut().unwrap() {
+                r["timestamp"]["seconds"] = json!(1_800_000_000 + round);
+            }
+            flip(&mut scanned["results"][3 + round as usize]);
+            if round == 0 {
+                put(&store, "rescan", "r-00001", scanned.clone()).await;
+            } else {
+                let other = report("rescan", 3, &[]);
+                store
+                    .put_all(&POLICY_REPORT, vec![scanned.clone(), other])
+                    .await
+                    .unwrap();
+            }
+            if let (Some(before), Some(after)) = (
+                before,
+                row_identities(&store, backend, "rescan", "r-00001").await,
+            ) {
+                let slots =
+                    |rows: &[(i32, String)]| rows.iter().map(|(s, _)| *s).collect::<Vec<_>>();
+                assert_eq!(slots(&before), slots(&after), "{backend:?}: round {round}");
+                let rewritten: Vec<i32> = before
+                    .iter()
+                    .zip(&after)
+                    .filter(|(b, a)| b.1 != a.1)
+                    .map(|(b, _)| b.0)
+                    .collect();
+                assert_eq!(rewritten, [3 + round as i32], "{backend:?}: round {round}");
+            }
+            let mut created = scanned.clone();
+            created["metadata"]["namespace"] = json!("created");
+            store
+                .mutate::<StoreError, _>(&POLICY_REPORT, "created", "r-00001", false, |_| {
+                    Ok(Mutation::Delete)
+                })
+                .await
+                .unwrap();
+            put(&store, "created", "r-00001", created).await;
+            let rescanned = results_in(&store, "rescan").await;
+            assert_eq!(
+                rescanned
+                    .iter()
+                    .filter(|r| r.starts_with("r-00001|"))
+                    .cloned()
+                    .collect::<Vec<_>>(),
+                results_in(&store, "created").await,
+                "{backend:?}: round {round}"
+            );
+        }
+    }
+}
+
 /// Updates diff a report's result rows against the stored ones instead of rewriting them
 /// (`store::result_diff`): after any sequence of updates — results changed, removed,
-/// duplicated, rotated, reordered, emptied, given subjects of their own, labels changed — in
+/// duplicated, rotated, reordered, emptied, given subjects of their own, rescanned, given
+/// times of their own or none, labels changed — in
 /// rounds of one write and in bulk rounds, `report_results` holds exactly the rows a create
 /// of the same report writes, and each report's slots stay unique.
 #[tokio::test]

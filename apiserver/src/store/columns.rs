@@ -22,6 +22,8 @@ pub struct ObjectColumns {
     pub labels: BTreeMap<String, String>,
     /// `metadata` serialized on its own, for metadata-only responses.
     pub metadata: String,
+    /// The time most of the report's analytics rows carry (see [`results_time`]).
+    pub results_timestamp: Option<i64>,
 }
 
 fn parse_time(v: Option<&Value>) -> Option<i64> {
@@ -84,6 +86,7 @@ impl ObjectColumns {
             scope_uid: string(scope.get("uid")),
             labels,
             metadata: serde_json::to_string(meta).expect("JSON value serializes"),
+            results_timestamp: results_time(indexed_results(desc, object)),
         }
     }
 }
@@ -126,9 +129,35 @@ pub struct ResultRow {
     /// The result's own subject (its first `resources` entry) when that is not the report's
     /// scope; `None`: the scope, which the `objects` row already holds.
     pub subject: Option<ResultSubject>,
-    pub timestamp: Option<i64>,
+    pub timestamp: RowTime,
     pub message: Option<String>,
     pub properties: Option<String>,
+}
+
+/// When a result was produced, as its row keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowTime {
+    /// The report's [`results_time`], which the `objects` row holds.
+    Report,
+    /// Another time (seconds), or none, held by the row itself.
+    Own(Option<i64>),
+}
+
+/// The time (`timestamp.seconds`) that most of `results` carry, the latest of equally common
+/// ones; `None` when none carries one. Kyverno stamps every result of a scan with the scan's
+/// time, so a rescan moves all of a report's results to one new time: rows that leave their
+/// time to the report stay equal across rescans and an update rewrites only the results whose
+/// outcome changed, not every row.
+pub fn results_time(results: &[Value]) -> Option<i64> {
+    let mut seconds: Vec<i64> = results
+        .iter()
+        .filter_map(|r| r["timestamp"]["seconds"].as_i64())
+        .collect();
+    seconds.sort_unstable();
+    seconds
+        .chunk_by(|a, b| a == b)
+        .max_by_key(|run| (run.len(), run[0]))
+        .map(|run| run[0])
 }
 
 /// The object a result is about, as the `results` table keeps it.
@@ -180,9 +209,12 @@ pub fn result_rules<'a>(
 pub fn result_rows(desc: &ResourceDescriptor, object: &Value) -> Vec<ResultRow> {
     let scope = &object["scope"];
     let scope_subject = ResultSubject::of(scope);
-    indexed_results(desc, object)
+    let results = indexed_results(desc, object);
+    let report_time = results_time(results);
+    results
         .iter()
         .map(|r| {
+            let seconds = r["timestamp"]["seconds"].as_i64();
             let reference = r["resources"].as_array().and_then(|a| a.first());
             let subject = reference
                 .map(ResultSubject::of)
@@ -192,7 +224,10 @@ pub fn result_rows(desc: &ResourceDescriptor, object: &Value) -> Vec<ResultRow> 
                 result: string(r.get("result")),
                 subject_api_version: string(reference.unwrap_or(scope).get("apiVersion")),
                 subject,
-                timestamp: r["timestamp"]["seconds"].as_i64(),
+                timestamp: match seconds {
+                    Some(_) if seconds == report_time => RowTime::Report,
+                    own => RowTime::Own(own),
+                },
                 message: string(r.get("message")),
                 properties: r.get("properties").map(|p| p.to_string()),
             }
@@ -252,11 +287,50 @@ mod tests {
     }
 
     #[test]
+    fn the_report_time_is_the_most_common_and_the_latest_of_equally_common() {
+        let at = |seconds: &[Option<i64>]| -> Vec<Value> {
+            seconds
+                .iter()
+                .map(|s| match s {
+                    Some(s) => serde_json::json!({"timestamp": {"seconds": s, "nanos": 7}}),
+                    None => serde_json::json!({}),
+                })
+                .collect()
+        };
+        assert_eq!(results_time(&at(&[Some(5), Some(9), Some(5)])), Some(5));
+        assert_eq!(results_time(&at(&[Some(9), Some(5)])), Some(9));
+        assert_eq!(results_time(&at(&[None, None, Some(3)])), Some(3));
+        assert_eq!(results_time(&at(&[None])), None);
+        assert_eq!(results_time(&[]), None);
+    }
+
+    #[test]
+    fn rows_leave_the_common_time_to_the_report_and_keep_any_other() {
+        let subject = Subject::pod("ns", 3);
+        let mut report =
+            serde_json::to_value(pss_policy_report(&subject, 1_700_000_000, &[])).unwrap();
+        report["results"][1]["timestamp"]["seconds"] = 1_600_000_000.into();
+        report["results"][2]
+            .as_object_mut()
+            .unwrap()
+            .remove("timestamp");
+        let cols = ObjectColumns::of(&catalog::POLICY_REPORT, &report);
+        assert_eq!(cols.results_timestamp, Some(1_700_000_000));
+        let rows = result_rows(&catalog::POLICY_REPORT, &report);
+        assert_eq!(rows[0].timestamp, RowTime::Report);
+        assert_eq!(rows[1].timestamp, RowTime::Own(Some(1_600_000_000)));
+        assert_eq!(rows[2].timestamp, RowTime::Own(None));
+        assert!(rows[3..].iter().all(|r| r.timestamp == RowTime::Report));
+    }
+
+    #[test]
     fn ephemeral_summary_lives_in_spec() {
         let eph =
             serde_json::to_value(pss_ephemeral_report(&Subject::pod("ns", 1), 1, &[2])).unwrap();
         let cols = ObjectColumns::of(&catalog::EPHEMERAL_REPORT, &eph);
         assert_eq!(cols.summary, [18, 1, 0, 0, 0]);
         assert!(result_rows(&catalog::EPHEMERAL_REPORT, &eph).is_empty());
+        // Without analytics rows there is no time to hold for them.
+        assert_eq!(cols.results_timestamp, None);
     }
 }

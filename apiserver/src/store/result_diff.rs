@@ -19,7 +19,7 @@ use sea_orm::QueryResult;
 use sea_orm::sea_query::Expr;
 
 use super::StoreError;
-use super::columns::ResultRow;
+use super::columns::{ResultRow, RowTime};
 
 /// What a round knows of a report's stored `results` rows before it replaces the report.
 #[derive(Debug)]
@@ -38,8 +38,7 @@ impl Default for StoredRows {
 
 /// Whether no row of a report's new version can equal a row stored for its previous version
 /// `old` (the rows cut from the body the writer read): then the diff clears, and the stored
-/// rows need not be read — a Kyverno rescan stamps every result with a new timestamp, so its
-/// updates never read them. Comparing rows by rule key rather than rule id loses nothing: an
+/// rows need not be read (a report whose every result changed). Comparing rows by rule key rather than rule id loses nothing: an
 /// id has one key, so rows whose keys differ have different ids too. And should the stored
 /// rows differ from `old`'s (cut by a release that cut them differently), clearing is still a
 /// correct diff, only not the smallest.
@@ -47,6 +46,12 @@ pub(super) fn none_can_stay(old: &[ResultRow], new: &[ResultRow]) -> bool {
     let old: HashSet<&ResultRow> = old.iter().collect();
     !new.iter().any(|row| old.contains(row))
 }
+
+/// How many columns a `results` row has.
+pub(super) const RESULT_COLUMN_COUNT: usize = 14;
+
+/// The values of a `results` row, in `statements::RESULT_COLUMNS`' order.
+pub(super) type ResultValues = [Expr; RESULT_COLUMN_COUNT];
 
 /// A `results` row but for its report and slot: what the diff compares.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -62,6 +67,8 @@ pub(super) struct ResultColumns {
     pub timestamp: Option<i64>,
     pub message: Option<String>,
     pub properties: Option<String>,
+    /// `false`: the row has its report's time and `timestamp` is `None`.
+    pub own_timestamp: bool,
 }
 
 impl ResultColumns {
@@ -74,6 +81,10 @@ impl ResultColumns {
             name: None,
             uid: None,
         });
+        let (own_timestamp, timestamp) = match row.timestamp {
+            RowTime::Report => (false, None),
+            RowTime::Own(seconds) => (true, seconds),
+        };
         ResultColumns {
             rule_id,
             result: row.result,
@@ -83,9 +94,10 @@ impl ResultColumns {
             subject_namespace: subject.namespace,
             subject_name: subject.name,
             subject_uid: subject.uid,
-            timestamp: row.timestamp,
+            timestamp,
             message: row.message,
             properties: row.properties,
+            own_timestamp,
         }
     }
 
@@ -106,12 +118,13 @@ impl ResultColumns {
                 timestamp: row.try_get("", "timestamp")?,
                 message: row.try_get("", "message")?,
                 properties: row.try_get("", "properties")?,
+                own_timestamp: row.try_get("", "own_timestamp")?,
             },
         ))
     }
 
     /// The row's values in `RESULT_COLUMNS`' order, for report `id` at slot `ordinal`.
-    pub(super) fn values(self, id: &Expr, ordinal: i32) -> [Expr; 13] {
+    pub(super) fn values(self, id: &Expr, ordinal: i32) -> ResultValues {
         [
             id.clone(),
             ordinal.into(),
@@ -126,6 +139,7 @@ impl ResultColumns {
             self.timestamp.into(),
             self.message.into(),
             self.properties.into(),
+            self.own_timestamp.into(),
         ]
     }
 }
@@ -153,8 +167,8 @@ pub(super) struct ResultDiff {
     pub removed: Vec<i32>,
     /// Rows to insert, with their slots.
     pub added: Vec<(i32, ResultColumns)>,
-    /// No stored row stays (a Kyverno rescan stamps every timestamp anew): the rows can go by
-    /// report, one index range, rather than slot by slot.
+    /// No stored row stays: the rows can go by report, one index range, rather than slot by
+    /// slot.
     pub clears: bool,
 }
 
@@ -227,6 +241,7 @@ mod tests {
             timestamp: Some(1_700_000_000),
             message: Some(message.to_owned()),
             properties: None,
+            own_timestamp: true,
         }
     }
 
@@ -315,26 +330,32 @@ mod tests {
     }
 
     #[test]
-    fn a_rescan_that_stamps_new_timestamps_needs_no_stored_row_read() {
+    fn a_rescan_keeps_the_rows_of_unchanged_outcomes_and_only_a_full_change_skips_the_read() {
         use reports_server_crds::catalog::POLICY_REPORT;
         use serde_json::json;
 
         use crate::store::columns::result_rows;
 
-        let report = |seconds: i64, rules: &[&str]| {
-            let results: Vec<_> = rules
+        let report = |seconds: i64, outcomes: &[(&str, &str)]| {
+            let results: Vec<_> = outcomes
                 .iter()
-                .map(|rule| {
-                    json!({"policy": "p", "rule": rule, "result": "pass", "source": "kyverno",
+                .map(|(rule, result)| {
+                    json!({"policy": "p", "rule": rule, "result": result, "source": "kyverno",
                         "timestamp": {"seconds": seconds, "nanos": 0}})
                 })
                 .collect();
             result_rows(&POLICY_REPORT, &json!({"results": results}))
         };
-        let old = report(1, &["a", "b"]);
-        assert!(none_can_stay(&old, &report(2, &["a", "b"])));
-        assert!(none_can_stay(&[], &report(2, &["a"])));
-        assert!(!none_can_stay(&old, &report(1, &["b", "c"])));
+        // Every result moves to the rescan's time, which the report holds: rows stay equal.
+        let old = report(1, &[("a", "pass"), ("b", "pass")]);
+        let rescan = report(2, &[("a", "pass"), ("b", "fail")]);
+        assert_eq!(old[0], rescan[0]);
+        assert!(!none_can_stay(&old, &rescan));
+        assert!(none_can_stay(
+            &old,
+            &report(2, &[("a", "fail"), ("b", "fail")])
+        ));
+        assert!(none_can_stay(&[], &report(2, &[("a", "pass")])));
         let d = diff_from(
             &StoredRows::NoneStay,
             vec![row(0, "pass", "a"), row(1, "fail", "b")],

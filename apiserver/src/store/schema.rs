@@ -31,6 +31,9 @@ pub enum Objects {
     ScopeUid,
     Metadata,
     Body,
+    /// The timestamp (seconds) most of the report's results carry, which its `results` rows
+    /// without `own_timestamp` stand for (since `m20261129_000012_report_result_timestamp`).
+    ResultsTimestamp,
 }
 
 #[derive(DeriveIden)]
@@ -87,9 +90,13 @@ pub enum Results {
     SubjectNamespace,
     SubjectName,
     SubjectUid,
+    /// The result's own timestamp (seconds), or NULL: see `OwnTimestamp`.
     Timestamp,
     Message,
     Properties,
+    /// Whether `timestamp` is the result's own; when false the result has its report's
+    /// `objects.results_timestamp` (since `m20261129_000012_report_result_timestamp`).
+    OwnTimestamp,
 }
 
 /// What every result of one policy rule shares, stored once (see `store::rules`).

@@ -16,10 +16,10 @@ use super::change_log::BODY_IN_OBJECTS;
 use super::decision::{Applied, Current, Decided, Target, Versioned, version};
 use super::policy_rules::RoundRules;
 use super::prepared::RowParts;
-use super::result_diff::{ResultColumns, all_new, columns_of};
+use super::result_diff::{RESULT_COLUMN_COUNT, ResultColumns, ResultValues, all_new, columns_of};
 use super::schema::{ObjectLabels, Objects, Results};
 use super::statements::{
-    KEYS_PER_STATEMENT, changes_head, cte, delete_in, delete_slots, delete_where_in,
+    KEYS_PER_STATEMENT, ObjectValues, changes_head, cte, delete_in, delete_slots, delete_where_in,
     insert_in_chunks, labels_head, multi_row_inserts, objects_head, objects_with_id_head,
     results_head, slot_values, unique_to_exists,
 };
@@ -34,9 +34,9 @@ pub(super) struct StagedWrites {
     /// Result slots the round's updates free, as `(object id, ordinal)`.
     removed_slots: Vec<(i64, i32)>,
     /// New objects' rows.
-    rows: Vec<[Expr; 21]>,
+    rows: Vec<ObjectValues>,
     /// Replaced objects' rows, under their ids.
-    rows_with_ids: Vec<(i64, [Expr; 21])>,
+    rows_with_ids: Vec<(i64, ObjectValues)>,
     sides: Vec<ObjectSides>,
     changes: Vec<[Expr; 10]>,
 }
@@ -83,7 +83,7 @@ impl StagedWrites {
         let sides: usize = self
             .sides
             .iter()
-            .map(|s| s.labels.len() * 3 + s.results.len() * 13)
+            .map(|s| s.labels.len() * 3 + s.results.len() * RESULT_COLUMN_COUNT)
             .sum();
         self.changes.len() * 10 + sides + 4
     }
@@ -91,7 +91,7 @@ impl StagedWrites {
 
 impl ObjectSides {
     /// The object's label and result rows, given its id.
-    fn rows_into(self, id: &Expr, labels: &mut Vec<[Expr; 3]>, results: &mut Vec<[Expr; 13]>) {
+    fn rows_into(self, id: &Expr, labels: &mut Vec<[Expr; 3]>, results: &mut Vec<ResultValues>) {
         for (k, v) in self.labels {
             labels.push([id.clone(), k.into(), v.into()]);
         }
@@ -103,7 +103,8 @@ impl ObjectSides {
 /// statement of PostgreSQL, next to its up to 3,000 others: far below the protocol's 65,535.
 const SLOT_DELETES_FOLDED: usize = 4;
 
-/// Rows per multi-row INSERT of new objects (21 bind parameters each).
+/// Rows per multi-row INSERT of new objects ([`OBJECT_COLUMN_COUNT`](super::statements::OBJECT_COLUMN_COUNT) bind
+/// parameters each).
 const OBJECTS_PER_STATEMENT: usize = 500;
 
 /// The most bind parameters PostgreSQL folds into one statement (the protocol allows 65,535):
@@ -280,7 +281,7 @@ impl Store {
     async fn insert_rows(
         &self,
         txn: &DatabaseTransaction,
-        rows: Vec<[Expr; 21]>,
+        rows: Vec<ObjectValues>,
     ) -> Result<HashMap<(String, String, String), i64>, StoreError> {
         let mut ids = HashMap::new();
         let mut rows = rows.into_iter().peekable();
@@ -371,7 +372,7 @@ impl Store {
 impl StagedWrites {
     /// Stages the replacement of `current` by `row`: the row goes and comes back under its id,
     /// and its side rows change by `changes`.
-    fn replace(&mut self, current: &Current, row: [Expr; 21], changes: SideChanges) {
+    fn replace(&mut self, current: &Current, row: ObjectValues, changes: SideChanges) {
         self.removed.push(RemovedRow {
             id: current.id,
             rv: current.rv,

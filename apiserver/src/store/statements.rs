@@ -12,7 +12,7 @@ use sea_orm::sea_query::{
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
 use super::StoreError;
-use super::result_diff::ResultColumns;
+use super::result_diff::{RESULT_COLUMN_COUNT, ResultColumns, ResultValues};
 use super::schema::{Changes, ObjectLabels, Objects, Results};
 
 /// Result rows per INSERT: far below every backend's bind-parameter limit (SQLite 32766,
@@ -89,9 +89,15 @@ pub(super) fn objects_with_id_head() -> InsertStatement {
         .to_owned()
 }
 
+/// How many columns an `objects` row has but its id.
+pub(super) const OBJECT_COLUMN_COUNT: usize = 22;
+
+/// The values of an `objects` row, in [`OBJECT_COLUMNS`]' order.
+pub(super) type ObjectValues = [Expr; OBJECT_COLUMN_COUNT];
+
 /// The columns of an `objects` row but its id, in [`Store::object_values`]' order: first the
 /// [`UNIQUE_KEY_COLUMNS`] of its unique key.
-pub(super) const OBJECT_COLUMNS: [Objects; 21] = [
+pub(super) const OBJECT_COLUMNS: [Objects; OBJECT_COLUMN_COUNT] = [
     Objects::ClusterId,
     Objects::Resource,
     Objects::Namespace,
@@ -113,6 +119,7 @@ pub(super) const OBJECT_COLUMNS: [Objects; 21] = [
     Objects::ScopeUid,
     Objects::Metadata,
     Objects::Body,
+    Objects::ResultsTimestamp,
 ];
 
 /// How many of [`OBJECT_COLUMNS`] make the object's unique key (cluster, resource, namespace,
@@ -131,7 +138,7 @@ pub(super) fn labels_head() -> InsertStatement {
 }
 
 /// The columns of a `results` row, in [`ResultColumns::values`]' order.
-pub(super) const RESULT_COLUMNS: [Results; 13] = [
+pub(super) const RESULT_COLUMNS: [Results; RESULT_COLUMN_COUNT] = [
     Results::ObjectId,
     Results::Ordinal,
     Results::RuleId,
@@ -145,6 +152,7 @@ pub(super) const RESULT_COLUMNS: [Results; 13] = [
     Results::Timestamp,
     Results::Message,
     Results::Properties,
+    Results::OwnTimestamp,
 ];
 
 /// `INSERT INTO results (…)`; [`slot_values`] gives the rows.
@@ -160,7 +168,7 @@ pub(super) fn results_head() -> InsertStatement {
 pub(super) fn slot_values(
     id: &Expr,
     rows: Vec<(i32, ResultColumns)>,
-) -> impl Iterator<Item = [Expr; 13]> + '_ {
+) -> impl Iterator<Item = ResultValues> + '_ {
     rows.into_iter()
         .map(move |(slot, row)| row.values(id, slot))
 }

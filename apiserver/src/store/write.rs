@@ -23,9 +23,9 @@ use super::prepared::RowParts;
 use super::result_diff::{ResultColumns, ResultDiff, all_new, columns_of, diff_from};
 use super::schema::{Changes, ObjectLabels, Objects, Results, StoreState};
 use super::statements::{
-    KEYS_PER_STATEMENT, OBJECT_COLUMNS, RESULT_COLUMNS, UNIQUE_KEY_COLUMNS, delete_slots,
-    delete_where_in, labels_head, multi_row_inserts, objects_head, one_change, results_head,
-    slot_values, unique_to_exists,
+    KEYS_PER_STATEMENT, OBJECT_COLUMNS, ObjectValues, RESULT_COLUMNS, UNIQUE_KEY_COLUMNS,
+    delete_slots, delete_where_in, labels_head, multi_row_inserts, objects_head, one_change,
+    results_head, slot_values, unique_to_exists,
 };
 use super::{Store, StoreError};
 
@@ -355,7 +355,7 @@ impl Store {
         cols: &ObjectColumns,
         body: String,
         rv: i64,
-    ) -> [Expr; 21] {
+    ) -> ObjectValues {
         [
             self.cluster_id().into(),
             key.into(),
@@ -378,6 +378,7 @@ impl Store {
             cols.scope_uid.clone().into(),
             cols.metadata.clone().into(),
             self.bodies().encode(body).into(),
+            cols.results_timestamp.into(),
         ]
     }
 

@@ -15,6 +15,7 @@
 use sea_orm::DbBackend;
 use sea_orm_migration::prelude::*;
 
+use super::execute;
 use super::m20261121_000001_initial::create_wide_results;
 use crate::store::schema::{PolicyRules, Results};
 
@@ -120,11 +121,6 @@ async fn create_lean_results(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
                 .to_owned(),
         )
         .await
-}
-
-async fn execute(manager: &SchemaManager<'_>, sql: &str) -> Result<(), DbErr> {
-    manager.get_connection().execute_unprepared(sql).await?;
-    Ok(())
 }
 
 #[async_trait::async_trait]

@@ -12,6 +12,8 @@
 use sea_orm::DbBackend;
 use sea_orm_migration::prelude::*;
 
+use super::execute;
+
 pub struct Migration;
 
 impl MigrationName for Migration {
@@ -130,30 +132,33 @@ fn result_properties_view(backend: DbBackend) -> String {
     }
 }
 
-async fn execute(manager: &SchemaManager<'_>, sql: &str) -> Result<(), DbErr> {
-    manager.get_connection().execute_unprepared(sql).await?;
-    Ok(())
-}
-
-async fn drop_views(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+/// Drops the views (those that exist): what a migration that replaces `report_results` does
+/// first.
+pub(super) async fn drop_views(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
     for view in VIEWS {
         execute(manager, &format!("DROP VIEW IF EXISTS {view}")).await?;
     }
     Ok(())
 }
 
+/// Creates the views over the `report_results` that exists: what a migration that replaces
+/// `report_results` does last.
+pub(super) async fn create_views(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    let backend = manager.get_database_backend();
+    for view in compliance_views(backend) {
+        execute(manager, &view).await?;
+    }
+    execute(manager, &latest_results_view()).await?;
+    execute(manager, &result_properties_view(backend)).await
+}
+
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let backend = manager.get_database_backend();
         // A replica that ran part of this migration (MySQL's DDL is not transactional) left
         // some views behind: start from none.
         drop_views(manager).await?;
-        for view in compliance_views(backend) {
-            execute(manager, &view).await?;
-        }
-        execute(manager, &latest_results_view()).await?;
-        execute(manager, &result_properties_view(backend)).await
+        create_views(manager).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {

@@ -18,6 +18,7 @@ pub(crate) mod m20261127_000008_mysql_binary_collation;
 pub(crate) mod m20261128_000009_analytics_views;
 pub(crate) mod m20261128_000010_cluster_identity;
 pub(crate) mod m20261128_000011_compliance_history;
+pub(crate) mod m20261129_000012_report_result_timestamp;
 
 pub struct Migrator;
 
@@ -36,6 +37,13 @@ impl MigratorTrait for Migrator {
             Box::new(m20261128_000009_analytics_views::Migration),
             Box::new(m20261128_000010_cluster_identity::Migration),
             Box::new(m20261128_000011_compliance_history::Migration),
+            Box::new(m20261129_000012_report_result_timestamp::Migration),
         ]
     }
+}
+
+/// Runs one statement of SQL text (views and data copies, which sea-query does not build).
+pub(super) async fn execute(manager: &SchemaManager<'_>, sql: &str) -> Result<(), DbErr> {
+    manager.get_connection().execute_unprepared(sql).await?;
+    Ok(())
 }
