@@ -70,6 +70,11 @@ impl Instance {
         ));
         let data = dir.join("data");
         std::fs::create_dir_all(&data)?;
+        // A temp directory of its own: mariadbd deletes every `#sql*` file of its temp
+        // directory when it starts, so in a shared `/tmp` one test's server starting removes
+        // another's internal temp tables under it ("Error on delete of '/tmp/#sql-temptable-…'").
+        let tmp = dir.join("tmp");
+        std::fs::create_dir_all(&tmp)?;
         // mariadbd refuses to run as root; as root we hand it to the package's `mysql` user,
         // which `--user` makes it switch to.
         let user: &[&str] = if is_root() {
@@ -114,6 +119,7 @@ impl Instance {
             .arg(format!("--socket={}", dir.join("sock").display()))
             .arg(format!("--pid-file={}", dir.join("pid").display()))
             .arg(format!("--log-error={}", dir.join("error.log").display()))
+            .arg(format!("--tmpdir={}", tmp.display()))
             .arg(format!("--port={port}"))
             .args([
                 "--bind-address=127.0.0.1",

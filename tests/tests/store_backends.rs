@@ -1576,7 +1576,7 @@ async fn a_rescan_rewrites_only_the_rows_whose_outcome_changed() {
         put(&store, "rescan", "r-00001", scanned.clone()).await;
         // Rows inserted after these, so that a re-inserted row cannot get its rowid back.
         put(&store, "rescan", "r-00002", report("rescan", 2, &[])).await;
-        for round in 0..2 {
+        for round in 0..2i32 {
             let before = row_identities(&store, backend, "rescan", "r-00001").await;
             for r in scanned["results"].as_array_mut().unwrap() {
                 r["timestamp"]["seconds"] = json!(1_800_000_000 + round);
@@ -1591,20 +1591,10 @@ async fn a_rescan_rewrites_only_the_rows_whose_outcome_changed() {
                     .await
                     .unwrap();
             }
-            if let (Some(before), Some(after)) = (
-                before,
-                row_identities(&store, backend, "rescan", "r-00001").await,
-            ) {
-                let slots =
-                    |rows: &[(i32, String)]| rows.iter().map(|(s, _)| *s).collect::<Vec<_>>();
-                assert_eq!(slots(&before), slots(&after), "{backend:?}: round {round}");
-                let rewritten: Vec<i32> = before
-                    .iter()
-                    .zip(&after)
-                    .filter(|(b, a)| b.1 != a.1)
-                    .map(|(b, _)| b.0)
-                    .collect();
-                assert_eq!(rewritten, [3 + round as i32], "{backend:?}: round {round}");
+            if let Some(rewritten) =
+                rewritten_slots(&store, backend, "rescan", "r-00001", before).await
+            {
+                assert_eq!(rewritten, [3 + round], "{backend:?}: round {round}");
             }
             let mut created = scanned.clone();
             created["metadata"]["namespace"] = json!("created");
@@ -1625,6 +1615,62 @@ async fn a_rescan_rewrites_only_the_rows_whose_outcome_changed() {
                 results_in(&store, "created").await,
                 "{backend:?}: round {round}"
             );
+        }
+    }
+}
+
+/// The slots of report `ns/name` whose rows an update replaced: the rows it re-inserted or
+/// moved (`before`'s identities, read before the update); `None` on MariaDB.
+async fn rewritten_slots(
+    store: &Store,
+    backend: Backend,
+    ns: &str,
+    name: &str,
+    before: Option<Vec<(i32, String)>>,
+) -> Option<Vec<i32>> {
+    let after = row_identities(store, backend, ns, name).await?;
+    let before = before?;
+    let slots = |rows: &[(i32, String)]| rows.iter().map(|(s, _)| *s).collect::<Vec<_>>();
+    assert_eq!(slots(&before), slots(&after), "{backend:?}: the same slots");
+    Some(
+        before
+            .iter()
+            .zip(&after)
+            .filter(|(b, a)| b.1 != a.1)
+            .map(|(b, _)| b.0)
+            .collect(),
+    )
+}
+
+/// A report of events, each result at its own time (falcosidekick's ring: the oldest dropped,
+/// the newest appended), has no time of its own: rotating it replaces one row, the dropped
+/// one's slot taken by the new one, and no other row moves with the report's newest time.
+#[tokio::test]
+async fn a_ring_of_events_at_their_own_times_rewrites_one_row_per_event() {
+    for backend in Backend::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(backend, dir.path()).await;
+        let mut ring = report("events", 1, &[]);
+        for (i, r) in ring["results"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .enumerate()
+        {
+            r["timestamp"]["seconds"] = json!(1_800_000_000 + i as i64);
+        }
+        put(&store, "events", "r-00001", ring.clone()).await;
+        put(&store, "events", "r-00002", report("events", 2, &[])).await;
+        let before = row_identities(&store, backend, "events", "r-00001").await;
+        let results = ring["results"].as_array_mut().unwrap();
+        let mut newest = results.remove(0);
+        newest["timestamp"]["seconds"] = json!(1_800_000_100);
+        newest["message"] = json!("the newest event");
+        results.push(newest);
+        put(&store, "events", "r-00001", ring).await;
+        if let Some(rewritten) = rewritten_slots(&store, backend, "events", "r-00001", before).await
+        {
+            assert_eq!(rewritten, [0], "{backend:?}");
         }
     }
 }
