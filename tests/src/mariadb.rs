@@ -93,8 +93,9 @@ impl Instance {
             &[]
         };
         let datadir = format!("--datadir={}", data.display());
+        let tmpdir = format!("--tmpdir={}", tmp.display());
         let out = Command::new(install)
-            .args(["--no-defaults", &datadir])
+            .args(["--no-defaults", &datadir, &tmpdir])
             .args(user)
             // Passwordless root on the loopback addresses: a throwaway server, no test database.
             .args([
@@ -119,7 +120,7 @@ impl Instance {
             .arg(format!("--socket={}", dir.join("sock").display()))
             .arg(format!("--pid-file={}", dir.join("pid").display()))
             .arg(format!("--log-error={}", dir.join("error.log").display()))
-            .arg(format!("--tmpdir={}", tmp.display()))
+            .arg(&tmpdir)
             .arg(format!("--port={port}"))
             .args([
                 "--bind-address=127.0.0.1",

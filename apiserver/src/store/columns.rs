@@ -22,7 +22,7 @@ pub struct ObjectColumns {
     pub labels: BTreeMap<String, String>,
     /// `metadata` serialized on its own, for metadata-only responses.
     pub metadata: String,
-    /// The time most of the report's analytics rows carry (see [`results_time`]).
+    /// The time more than half of the report's analytics rows carry (see [`results_time`]).
     pub results_timestamp: Option<i64>,
 }
 
@@ -143,27 +143,25 @@ pub enum RowTime {
     Own(Option<i64>),
 }
 
-/// The time (`timestamp.seconds`) that most of `results` carry, the latest of equally common
-/// ones; `None` when none carries one, or when no two carry the same (but for a report of
-/// one result).
+/// The time (`timestamp.seconds`) that more than half of `results` carry; `None` when no time
+/// is that common.
 ///
 /// Kyverno stamps every result of a scan with the scan's time, so a rescan moves all of a
 /// report's results to one new time: rows that leave their time to the report stay equal
 /// across rescans and an update rewrites only the results whose outcome changed, not every
-/// row. A report of events (falcosidekick's: each result at its own time, the oldest dropped
-/// for the newest) has no common time; taking its latest would move the report's time on
-/// every event and rewrite the row that had it.
+/// row. Only a majority is the report's, so that the report's time does not move unless most
+/// results do: a report of events (falcosidekick's ring, each result at its own time, some
+/// sharing a second) or of policies scanned at different times keeps its rows' own times, and
+/// a rotation or a partial rescan rewrites only the rows it changes.
 pub fn results_time(results: &[Value]) -> Option<i64> {
     let mut seconds: Vec<i64> = results
         .iter()
         .filter_map(|r| r["timestamp"]["seconds"].as_i64())
         .collect();
     seconds.sort_unstable();
-    let alone = results.len() == 1;
     seconds
         .chunk_by(|a, b| a == b)
-        .max_by_key(|run| (run.len(), run[0]))
-        .filter(|run| run.len() > 1 || alone)
+        .find(|run| run.len() * 2 > results.len())
         .map(|run| run[0])
 }
 
@@ -294,7 +292,7 @@ mod tests {
     }
 
     #[test]
-    fn the_report_time_is_the_most_common_shared_one_and_the_latest_of_equally_common() {
+    fn the_report_time_is_the_one_most_results_carry() {
         let at = |seconds: &[Option<i64>]| -> Vec<Value> {
             seconds
                 .iter()
@@ -305,17 +303,22 @@ mod tests {
                 .collect()
         };
         assert_eq!(results_time(&at(&[Some(5), Some(9), Some(5)])), Some(5));
-        assert_eq!(
-            results_time(&at(&[Some(9), Some(5), Some(9), Some(5), Some(1)])),
-            Some(9)
-        );
-        assert_eq!(results_time(&at(&[None, Some(3), None, Some(3)])), Some(3));
         assert_eq!(results_time(&at(&[Some(7)])), Some(7));
         assert_eq!(results_time(&at(&[None])), None);
         assert_eq!(results_time(&[]), None);
-        // Events, each at its own time: none is the report's.
-        assert_eq!(results_time(&at(&[Some(1), Some(2), Some(3)])), None);
-        assert_eq!(results_time(&at(&[Some(1), None])), None);
+        // Results without a time count against a majority.
+        assert_eq!(results_time(&at(&[None, Some(3), None, Some(3)])), None);
+        assert_eq!(results_time(&at(&[None, Some(3), Some(3)])), Some(3));
+        // Events, some sharing a second, and policies scanned at two times: none is the
+        // report's.
+        assert_eq!(
+            results_time(&at(&[Some(1), Some(2), Some(2), Some(3)])),
+            None
+        );
+        assert_eq!(
+            results_time(&at(&[Some(9), Some(5), Some(9), Some(5)])),
+            None
+        );
     }
 
     #[test]

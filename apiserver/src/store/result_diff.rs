@@ -38,8 +38,9 @@ impl Default for StoredRows {
 
 /// Whether no row of a report's new version can equal a row stored for its previous version
 /// `old` (the rows cut from the body the writer read): then the diff clears, and the stored
-/// rows need not be read (a report whose every result changed). Comparing rows by rule key rather than rule id loses nothing: an
-/// id has one key, so rows whose keys differ have different ids too. And should the stored
+/// rows need not be read (a report whose every result changed). Comparing rows by rule key
+/// rather than rule id loses nothing: an id has one key, so rows whose keys differ have
+/// different ids too. And should the stored
 /// rows differ from `old`'s (cut by a release that cut them differently), clearing is still a
 /// correct diff, only not the smallest.
 pub(super) fn none_can_stay(old: &[ResultRow], new: &[ResultRow]) -> bool {

@@ -103,8 +103,8 @@ impl ObjectSides {
 /// statement of PostgreSQL, next to its up to 3,000 others: far below the protocol's 65,535.
 const SLOT_DELETES_FOLDED: usize = 4;
 
-/// Rows per multi-row INSERT of new objects ([`OBJECT_COLUMN_COUNT`](super::statements::OBJECT_COLUMN_COUNT) bind
-/// parameters each).
+/// Rows per multi-row INSERT of new objects
+/// ([`OBJECT_COLUMN_COUNT`](super::statements::OBJECT_COLUMN_COUNT) bind parameters each).
 const OBJECTS_PER_STATEMENT: usize = 500;
 
 /// The most bind parameters PostgreSQL folds into one statement (the protocol allows 65,535):

@@ -16,7 +16,7 @@ use super::result_diff::{RESULT_COLUMN_COUNT, ResultColumns, ResultValues};
 use super::schema::{Changes, ObjectLabels, Objects, Results};
 
 /// Result rows per INSERT: far below every backend's bind-parameter limit (SQLite 32766,
-/// PostgreSQL 65535) at 13 columns a row.
+/// PostgreSQL 65535) at [`RESULT_COLUMN_COUNT`] columns a row.
 pub(super) const RESULT_ROWS_PER_STATEMENT: usize = 1000;
 
 /// Ids or versions per `IN (…)` list of a round's deletes and retirements.

@@ -132,24 +132,11 @@ fn result_properties_view(backend: DbBackend) -> String {
     }
 }
 
-/// Drops the views (those that exist): what a migration that replaces `report_results` does
-/// first.
-pub(super) async fn drop_views(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+async fn drop_views(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
     for view in VIEWS {
         execute(manager, &format!("DROP VIEW IF EXISTS {view}")).await?;
     }
     Ok(())
-}
-
-/// Creates the views over the `report_results` that exists: what a migration that replaces
-/// `report_results` does last.
-pub(super) async fn create_views(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    let backend = manager.get_database_backend();
-    for view in compliance_views(backend) {
-        execute(manager, &view).await?;
-    }
-    execute(manager, &latest_results_view()).await?;
-    execute(manager, &result_properties_view(backend)).await
 }
 
 #[async_trait::async_trait]
@@ -158,7 +145,12 @@ impl MigrationTrait for Migration {
         // A replica that ran part of this migration (MySQL's DDL is not transactional) left
         // some views behind: start from none.
         drop_views(manager).await?;
-        create_views(manager).await
+        let backend = manager.get_database_backend();
+        for view in compliance_views(backend) {
+            execute(manager, &view).await?;
+        }
+        execute(manager, &latest_results_view()).await?;
+        execute(manager, &result_properties_view(backend)).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {

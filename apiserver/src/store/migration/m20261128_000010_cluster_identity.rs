@@ -9,6 +9,7 @@
 
 use sea_orm_migration::prelude::*;
 
+use super::has_column;
 use crate::store::schema::StoreState;
 
 pub struct Migration;
@@ -22,13 +23,7 @@ impl MigrationName for Migration {
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        if manager
-            .has_column(
-                StoreState::Table.to_string(),
-                StoreState::ClusterUid.to_string(),
-            )
-            .await?
-        {
+        if has_column(manager, StoreState::Table, StoreState::ClusterUid).await? {
             return Ok(());
         }
         manager

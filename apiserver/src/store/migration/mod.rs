@@ -47,3 +47,15 @@ pub(super) async fn execute(manager: &SchemaManager<'_>, sql: &str) -> Result<()
     manager.get_connection().execute_unprepared(sql).await?;
     Ok(())
 }
+
+/// Whether `table` has `column`: what a migration that adds one checks first, since a replica
+/// may have run part of it on MySQL, whose DDL is not transactional.
+pub(super) async fn has_column(
+    manager: &SchemaManager<'_>,
+    table: impl Iden,
+    column: impl Iden,
+) -> Result<bool, DbErr> {
+    manager
+        .has_column(table.to_string(), column.to_string())
+        .await
+}
