@@ -35,6 +35,7 @@ mod read;
 mod result_diff;
 pub mod ring;
 pub mod schema;
+mod session;
 mod staged;
 mod statements;
 pub mod statistics;
@@ -751,59 +752,6 @@ fn closing_stale<DB: sqlx::Database>(
         })
 }
 
-/// Has PostgreSQL end this session when it idles `after` inside a transaction: a client that
-/// abandoned its transaction on a half-open connection (ended when an outage began, see
-/// [`Store::unless_outage`]) cannot tell the server, whose session would keep the
-/// transaction's row locks. A `SET` after connecting rather than a startup parameter, which
-/// connection poolers such as PgBouncer refuse.
-async fn end_abandoned_transactions(
-    db: &mut sqlx::PgConnection,
-    after: Duration,
-) -> Result<(), sqlx::Error> {
-    let millis = after.as_millis().max(1).to_string();
-    sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, false)")
-        .bind(millis)
-        .execute(db)
-        .await?;
-    Ok(())
-}
-
-/// Has PostgreSQL plan every execution of a prepared statement with its parameters, never
-/// with a generic plan it keeps. The driver prepares each statement once per connection, and
-/// PostgreSQL switches a statement to a generic plan after five executions when that plan
-/// looks as cheap: on a new store, whose `objects` table holds a few rows then, the generic plan
-/// of a lookup by key is a sequential scan, kept until autovacuum first analyzes the table
-/// (a minute or more), while the table grows. Measured: the round's lookups of 10,000 creates
-/// read 400–2,300 buffers each instead of a few, and PostgreSQL's CPU per create went from 0.5
-/// to 1.5–2.2 ms in the runs where the analyze came late. Planning each execution of the
-/// store's short statements costs less than one such scan. PostgreSQL 11 and older have no such
-/// setting and keep their default.
-async fn plan_each_execution(db: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
-    let set = sqlx::query("SELECT set_config('plan_cache_mode', 'force_custom_plan', false)")
-        .execute(db)
-        .await;
-    if let Err(e) = set {
-        tracing::debug!(error = %e, "this server has no plan_cache_mode (PostgreSQL 11 or older)");
-    }
-    Ok(())
-}
-
-/// [`end_abandoned_transactions`] for MariaDB (`idle_transaction_timeout`, whole seconds).
-/// MySQL has no such variable and refuses the `SET`; its sessions go on without it.
-async fn end_abandoned_mariadb_transactions(
-    db: &mut sqlx::MySqlConnection,
-    after: Duration,
-) -> Result<(), sqlx::Error> {
-    // A number, formatted: not every server takes a placeholder in SET.
-    let seconds = after.as_secs().max(1);
-    let sql = sqlx::AssertSqlSafe(format!("SET SESSION idle_transaction_timeout = {seconds}"));
-    let set = sqlx::raw_sql(sql).execute(db).await;
-    if let Err(e) = set {
-        tracing::debug!(error = %e, "this server has no idle_transaction_timeout (MySQL)");
-    }
-    Ok(())
-}
-
 /// A connection pool to the database `options` name, with the session settings the store
 /// relies on (SQLite: WAL, full sync, a busy timeout); no migration. A `lazy` pool connects on
 /// first use (the database need not answer now). The pool closes, instead of handing out or
@@ -830,8 +778,8 @@ async fn open_database(
         closing_stale(pool, &postgres, ping_after_idle, ping_deadline).after_connect(
             move |db, _| {
                 Box::pin(async move {
-                    end_abandoned_transactions(db, idle_in_transaction).await?;
-                    plan_each_execution(db).await
+                    session::end_abandoned_transactions(db, idle_in_transaction).await?;
+                    session::plan_each_execution(db).await
                 })
             },
         )
@@ -839,7 +787,10 @@ async fn open_database(
     let mysql = health.clone();
     connect.map_sqlx_mysql_pool_opts(move |pool| {
         closing_stale(pool, &mysql, ping_after_idle, ping_deadline).after_connect(move |db, _| {
-            Box::pin(end_abandoned_mariadb_transactions(db, idle_in_transaction))
+            Box::pin(session::end_abandoned_mariadb_transactions(
+                db,
+                idle_in_transaction,
+            ))
         })
     });
     if options.database_url.starts_with("sqlite:") {
