@@ -1342,21 +1342,12 @@ async fn the_lean_results_migration_and_its_downgrade_keep_report_results() {
         // The downgrade gave every row its own time: a rescan by this release replaces them
         // with the rows a create of the same report writes.
         let mut rescanned = report("ns-a", 0, &[]);
-        for r in rescanned["results"].as_array_mut().unwrap() {
-            r["timestamp"]["seconds"] = json!(1_800_000_000);
-        }
+        rescan(rescanned["results"].as_array_mut().unwrap(), 1_800_000_000);
         flip(&mut rescanned["results"][7]);
         put(&store, "ns-a", "r-00000", rescanned.clone()).await;
-        rescanned["metadata"]["namespace"] = json!("ns-fresh");
-        put(&store, "ns-fresh", "r-00000", rescanned).await;
-        let updated: Vec<String> = results_in(&store, "ns-a")
-            .await
-            .into_iter()
-            .filter(|r| r.starts_with("r-00000|"))
-            .collect();
         assert_eq!(
-            updated,
-            results_in(&store, "ns-fresh").await,
+            results_of(&store, "ns-a", "r-00000").await,
+            results_of_a_create(&store, &rescanned, "ns-fresh").await,
             "{backend:?}: rescanned after the upgrade"
         );
     }
@@ -1421,6 +1412,17 @@ async fn sessions_end_when_idle_inside_a_transaction() {
     }
 }
 
+/// Every PostgreSQL session plans each execution with its parameters: a generic plan made while
+/// a new store's `objects` table was nearly empty scanned it on every lookup by key.
+#[tokio::test]
+async fn postgres_sessions_plan_every_execution() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(Backend::Postgres, dir.path()).await;
+    let rows = store.query_raw("SHOW plan_cache_mode").await.unwrap();
+    let got: String = rows[0].try_get_by_index(0).unwrap();
+    assert_eq!(got, "force_custom_plan");
+}
+
 /// A small deterministic generator (no dependency, the same sequence on every run).
 struct Lcg(u64);
 
@@ -1465,11 +1467,7 @@ fn next_version(report: &mut Value, step: u64, rng: &mut Lcg) {
             results.push(fresh(100 + step));
         }
         4 => results.reverse(),
-        5 => {
-            for r in results.iter_mut() {
-                r["timestamp"]["seconds"] = json!(1_800_000_000 + step);
-            }
-        }
+        5 => rescan(results, 1_800_000_000 + step as i64),
         6 => results.clear(),
         7 => {
             report["metadata"]["labels"]["step"] = json!(format!("s{}", step % 3));
@@ -1485,9 +1483,7 @@ fn next_version(report: &mut Value, step: u64, rng: &mut Lcg) {
         }
         // A rescan: every result at a new time, one outcome changed.
         10 if len > 0 => {
-            for r in results.iter_mut() {
-                r["timestamp"]["seconds"] = json!(1_900_000_000 + step);
-            }
+            rescan(results, 1_900_000_000 + step as i64);
             flip(&mut results[rng.below(len)]);
         }
         // A result about a subject of its own (not the report's scope), or new results.
@@ -1541,6 +1537,45 @@ async fn labels_in(store: &Store, ns: &str) -> Vec<String> {
     out
 }
 
+/// Stamps every one of `results` with `seconds`, as a scan does.
+fn rescan(results: &mut [Value], seconds: i64) {
+    for r in results {
+        r["timestamp"]["seconds"] = json!(seconds);
+    }
+}
+
+/// The `report_results` rows (as [`results_in`] gives them) that a create of `report` writes,
+/// made in namespace `ns` after deleting whatever is there: what an update to `report` must
+/// leave.
+async fn results_of_a_create(store: &Store, report: &Value, ns: &str) -> Vec<String> {
+    let name = report["metadata"]["name"].as_str().expect("a named report");
+    store
+        .mutate::<StoreError, _>(&POLICY_REPORT, ns, name, false, |_| Ok(Mutation::Delete))
+        .await
+        .unwrap();
+    let mut created = report.clone();
+    created["metadata"]["namespace"] = json!(ns);
+    put(store, ns, name, created).await;
+    results_in(store, ns).await
+}
+
+/// The rows of report `name` among [`results_in`] `ns`.
+async fn results_of(store: &Store, ns: &str, name: &str) -> Vec<String> {
+    let prefix = format!("{name}|");
+    let mut rows = results_in(store, ns).await;
+    rows.retain(|r| r.starts_with(&prefix));
+    rows
+}
+
+/// A store on `backend` in `dir` holding `first` as `ns/r-00001` and then another report,
+/// whose rows come after `first`'s: a row re-inserted for `first` cannot get its rowid back.
+async fn store_with(backend: Backend, dir: &std::path::Path, ns: &str, first: &Value) -> Store {
+    let (store, _) = open(backend, dir).await;
+    put(&store, ns, "r-00001", first.clone()).await;
+    put(&store, ns, "r-00002", report(ns, 2, &[])).await;
+    store
+}
+
 /// Flips a result's outcome between pass and fail.
 fn flip(result: &mut Value) {
     result["result"] = json!(if result["result"] == "fail" {
@@ -1591,16 +1626,14 @@ async fn row_identities(
 async fn a_rescan_rewrites_only_the_rows_whose_outcome_changed() {
     for backend in Backend::ALL {
         let dir = tempfile::tempdir().unwrap();
-        let (store, _) = open(backend, dir.path()).await;
         let mut scanned = report("rescan", 1, &[]);
-        put(&store, "rescan", "r-00001", scanned.clone()).await;
-        // Rows inserted after these, so that a re-inserted row cannot get its rowid back.
-        put(&store, "rescan", "r-00002", report("rescan", 2, &[])).await;
+        let store = store_with(backend, dir.path(), "rescan", &scanned).await;
         for round in 0..2i32 {
             let before = row_identities(&store, backend, "rescan", "r-00001").await;
-            for r in scanned["results"].as_array_mut().unwrap() {
-                r["timestamp"]["seconds"] = json!(1_800_000_000 + round);
-            }
+            rescan(
+                scanned["results"].as_array_mut().unwrap(),
+                1_800_000_000 + i64::from(round),
+            );
             flip(&mut scanned["results"][3 + round as usize]);
             if round == 0 {
                 put(&store, "rescan", "r-00001", scanned.clone()).await;
@@ -1616,23 +1649,9 @@ async fn a_rescan_rewrites_only_the_rows_whose_outcome_changed() {
             {
                 assert_eq!(rewritten, [3 + round], "{backend:?}: round {round}");
             }
-            let mut created = scanned.clone();
-            created["metadata"]["namespace"] = json!("created");
-            store
-                .mutate::<StoreError, _>(&POLICY_REPORT, "created", "r-00001", false, |_| {
-                    Ok(Mutation::Delete)
-                })
-                .await
-                .unwrap();
-            put(&store, "created", "r-00001", created).await;
-            let rescanned = results_in(&store, "rescan").await;
             assert_eq!(
-                rescanned
-                    .iter()
-                    .filter(|r| r.starts_with("r-00001|"))
-                    .cloned()
-                    .collect::<Vec<_>>(),
-                results_in(&store, "created").await,
+                results_of(&store, "rescan", "r-00001").await,
+                results_of_a_create(&store, &scanned, "created").await,
                 "{backend:?}: round {round}"
             );
         }
@@ -1670,7 +1689,6 @@ async fn rewritten_slots(
 async fn a_ring_of_events_at_their_own_times_rewrites_one_row_per_event() {
     for backend in Backend::ALL {
         let dir = tempfile::tempdir().unwrap();
-        let (store, _) = open(backend, dir.path()).await;
         let mut ring = report("events", 1, &[]);
         for (i, r) in ring["results"]
             .as_array_mut()
@@ -1681,8 +1699,7 @@ async fn a_ring_of_events_at_their_own_times_rewrites_one_row_per_event() {
             // Two events a second.
             r["timestamp"]["seconds"] = json!(1_800_000_000 + (i / 2) as i64);
         }
-        put(&store, "events", "r-00001", ring.clone()).await;
-        put(&store, "events", "r-00002", report("events", 2, &[])).await;
+        let store = store_with(backend, dir.path(), "events", &ring).await;
         let before = row_identities(&store, backend, "events", "r-00001").await;
         let results = ring["results"].as_array_mut().unwrap();
         let mut newest = results.remove(0);
@@ -1726,18 +1743,9 @@ async fn an_update_leaves_the_result_rows_a_create_of_the_same_report_writes() {
                     .await
                     .unwrap();
             }
-            let mut created = updated.clone();
-            created["metadata"]["namespace"] = json!("created");
-            store
-                .mutate::<StoreError, _>(&POLICY_REPORT, "created", "r-00001", false, |_| {
-                    Ok(Mutation::Delete)
-                })
-                .await
-                .unwrap();
-            put(&store, "created", "r-00001", created).await;
             assert_eq!(
                 results_in(&store, "updated").await,
-                results_in(&store, "created").await,
+                results_of_a_create(&store, &updated, "created").await,
                 "{backend:?}: step {step}, {} results",
                 updated["results"].as_array().unwrap().len()
             );

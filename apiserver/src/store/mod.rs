@@ -775,14 +775,8 @@ async fn open_database(
     let ping_deadline = options.probe_timeout;
     let idle_in_transaction = options.idle_in_transaction_timeout;
     connect.map_sqlx_postgres_pool_opts(move |pool| {
-        closing_stale(pool, &postgres, ping_after_idle, ping_deadline).after_connect(
-            move |db, _| {
-                Box::pin(async move {
-                    session::end_abandoned_transactions(db, idle_in_transaction).await?;
-                    session::plan_each_execution(db).await
-                })
-            },
-        )
+        closing_stale(pool, &postgres, ping_after_idle, ping_deadline)
+            .after_connect(move |db, _| Box::pin(session::set_up_postgres(db, idle_in_transaction)))
     });
     let mysql = health.clone();
     connect.map_sqlx_mysql_pool_opts(move |pool| {

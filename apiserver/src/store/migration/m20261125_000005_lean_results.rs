@@ -31,19 +31,29 @@ impl MigrationName for Migration {
 const LEAN: &str = "results_lean";
 
 /// The `report_results` view over the lean rows: the report's identity from `objects`, the
-/// rule's from `policy_rules`, the scope as the subject of results without one of their own.
-pub(crate) const REPORT_RESULTS_VIEW: &str = "CREATE VIEW report_results AS \
-    SELECT o.cluster_id, o.resource, o.namespace, o.name AS report_name, \
-    p.source, p.policy, p.rule, r.result, p.severity, p.category, p.scored, \
-    r.subject_api_version, \
-    CASE WHEN r.own_subject THEN r.subject_kind ELSE o.scope_kind END AS subject_kind, \
-    CASE WHEN r.own_subject THEN r.subject_namespace ELSE o.scope_namespace END AS subject_namespace, \
-    CASE WHEN r.own_subject THEN r.subject_name ELSE o.scope_name END AS subject_name, \
-    CASE WHEN r.own_subject THEN r.subject_uid ELSE o.scope_uid END AS subject_uid, \
-    r.timestamp, r.message, r.properties \
-    FROM results r \
-    JOIN objects o ON o.id = r.object_id \
-    JOIN policy_rules p ON p.id = r.rule_id";
+/// rule's from `policy_rules`, the scope as the subject of results without one of their own,
+/// and `timestamp` as the expression `timestamp` gives it (this migration: the row's column;
+/// `m20261129_000012_report_result_timestamp`: the row's or its report's).
+pub(crate) fn report_results_view(timestamp: &str) -> String {
+    format!(
+        "CREATE VIEW report_results AS \
+         SELECT o.cluster_id, o.resource, o.namespace, o.name AS report_name, \
+         p.source, p.policy, p.rule, r.result, p.severity, p.category, p.scored, \
+         r.subject_api_version, \
+         CASE WHEN r.own_subject THEN r.subject_kind ELSE o.scope_kind END AS subject_kind, \
+         CASE WHEN r.own_subject THEN r.subject_namespace ELSE o.scope_namespace END \
+         AS subject_namespace, \
+         CASE WHEN r.own_subject THEN r.subject_name ELSE o.scope_name END AS subject_name, \
+         CASE WHEN r.own_subject THEN r.subject_uid ELSE o.scope_uid END AS subject_uid, \
+         {timestamp} AS timestamp, r.message, r.properties \
+         FROM results r \
+         JOIN objects o ON o.id = r.object_id \
+         JOIN policy_rules p ON p.id = r.rule_id"
+    )
+}
+
+/// The row's own `timestamp`, as this migration's view gives it.
+pub(crate) const ROW_TIMESTAMP: &str = "r.timestamp";
 
 /// `a` equals `b`, NULL equal to NULL, in the backend's spelling.
 fn same(backend: DbBackend, a: &str, b: &str) -> String {
@@ -192,7 +202,7 @@ impl MigrationTrait for Migration {
             }
             manager.create_index(index.to_owned()).await?;
         }
-        execute(manager, REPORT_RESULTS_VIEW).await
+        execute(manager, &report_results_view(ROW_TIMESTAMP)).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {

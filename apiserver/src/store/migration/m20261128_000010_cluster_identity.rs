@@ -9,7 +9,7 @@
 
 use sea_orm_migration::prelude::*;
 
-use super::has_column;
+use super::add_column_unless_present;
 use crate::store::schema::StoreState;
 
 pub struct Migration;
@@ -23,17 +23,9 @@ impl MigrationName for Migration {
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        if has_column(manager, StoreState::Table, StoreState::ClusterUid).await? {
-            return Ok(());
-        }
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(StoreState::Table)
-                    .add_column(ColumnDef::new(StoreState::ClusterUid).string_len(64).null())
-                    .to_owned(),
-            )
-            .await
+        let mut uid = ColumnDef::new(StoreState::ClusterUid);
+        uid.string_len(64).null();
+        add_column_unless_present(manager, StoreState::Table, uid).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {

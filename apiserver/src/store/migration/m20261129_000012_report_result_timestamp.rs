@@ -27,8 +27,8 @@
 use sea_orm::DbBackend;
 use sea_orm_migration::prelude::*;
 
-use super::m20261125_000005_lean_results::REPORT_RESULTS_VIEW;
-use super::{execute, has_column};
+use super::m20261125_000005_lean_results::{ROW_TIMESTAMP, report_results_view};
+use super::{add_column_unless_present, drop_column_if_present, execute, has_column};
 use crate::store::schema::{Objects, Results};
 
 pub struct Migration;
@@ -39,20 +39,9 @@ impl MigrationName for Migration {
     }
 }
 
-/// `report_results` with each row's time: its own, or its report's.
-const VIEW: &str = "CREATE VIEW report_results AS \
-    SELECT o.cluster_id, o.resource, o.namespace, o.name AS report_name, \
-    p.source, p.policy, p.rule, r.result, p.severity, p.category, p.scored, \
-    r.subject_api_version, \
-    CASE WHEN r.own_subject THEN r.subject_kind ELSE o.scope_kind END AS subject_kind, \
-    CASE WHEN r.own_subject THEN r.subject_namespace ELSE o.scope_namespace END AS subject_namespace, \
-    CASE WHEN r.own_subject THEN r.subject_name ELSE o.scope_name END AS subject_name, \
-    CASE WHEN r.own_subject THEN r.subject_uid ELSE o.scope_uid END AS subject_uid, \
-    CASE WHEN r.own_timestamp THEN r.timestamp ELSE o.results_timestamp END AS timestamp, \
-    r.message, r.properties \
-    FROM results r \
-    JOIN objects o ON o.id = r.object_id \
-    JOIN policy_rules p ON p.id = r.rule_id";
+/// Each row's time in `report_results`: its own, or its report's.
+const ROW_OR_REPORT_TIMESTAMP: &str =
+    "CASE WHEN r.own_timestamp THEN r.timestamp ELSE o.results_timestamp END";
 
 /// Replaces `report_results` by the view `create` (a `CREATE VIEW report_results …` with the
 /// same columns), keeping the views that read it.
@@ -69,55 +58,20 @@ async fn replace_view(manager: &SchemaManager<'_>, create: &str) -> Result<(), D
     }
 }
 
-/// `ALTER TABLE table DROP COLUMN column`.
-async fn drop_column(
-    manager: &SchemaManager<'_>,
-    table: impl IntoTableRef,
-    column: impl IntoIden,
-) -> Result<(), DbErr> {
-    manager
-        .alter_table(Table::alter().table(table).drop_column(column).to_owned())
-        .await
-}
-
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        if !has_column(manager, Objects::Table, Objects::ResultsTimestamp).await? {
-            manager
-                .alter_table(
-                    Table::alter()
-                        .table(Objects::Table)
-                        .add_column(
-                            ColumnDef::new(Objects::ResultsTimestamp)
-                                .big_integer()
-                                .null(),
-                        )
-                        .to_owned(),
-                )
-                .await?;
-        }
-        if !has_column(manager, Results::Table, Results::OwnTimestamp).await? {
-            manager
-                .alter_table(
-                    Table::alter()
-                        .table(Results::Table)
-                        .add_column(
-                            ColumnDef::new(Results::OwnTimestamp)
-                                .boolean()
-                                .not_null()
-                                .default(true),
-                        )
-                        .to_owned(),
-                )
-                .await?;
-        }
-        replace_view(manager, VIEW).await
+        let mut report_time = ColumnDef::new(Objects::ResultsTimestamp);
+        report_time.big_integer().null();
+        add_column_unless_present(manager, Objects::Table, report_time).await?;
+        let mut own = ColumnDef::new(Results::OwnTimestamp);
+        own.boolean().not_null().default(true);
+        add_column_unless_present(manager, Results::Table, own).await?;
+        replace_view(manager, &report_results_view(ROW_OR_REPORT_TIMESTAMP)).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let own = has_column(manager, Results::Table, Results::OwnTimestamp).await?;
-        if own {
+        if has_column(manager, &Results::Table, &Results::OwnTimestamp).await? {
             // Every row its own time: the view gives the same rows either way from here.
             execute(
                 manager,
@@ -127,13 +81,8 @@ impl MigrationTrait for Migration {
             .await?;
         }
         // Neither PostgreSQL nor SQLite drops a column that a view reads.
-        replace_view(manager, REPORT_RESULTS_VIEW).await?;
-        if own {
-            drop_column(manager, Results::Table, Results::OwnTimestamp).await?;
-        }
-        if has_column(manager, Objects::Table, Objects::ResultsTimestamp).await? {
-            drop_column(manager, Objects::Table, Objects::ResultsTimestamp).await?;
-        }
-        Ok(())
+        replace_view(manager, &report_results_view(ROW_TIMESTAMP)).await?;
+        drop_column_if_present(manager, Results::Table, Results::OwnTimestamp).await?;
+        drop_column_if_present(manager, Objects::Table, Objects::ResultsTimestamp).await
     }
 }

@@ -52,10 +52,43 @@ pub(super) async fn execute(manager: &SchemaManager<'_>, sql: &str) -> Result<()
 /// may have run part of it on MySQL, whose DDL is not transactional.
 pub(super) async fn has_column(
     manager: &SchemaManager<'_>,
-    table: impl Iden,
-    column: impl Iden,
+    table: &impl Iden,
+    column: &impl Iden,
 ) -> Result<bool, DbErr> {
     manager
         .has_column(table.to_string(), column.to_string())
+        .await
+}
+
+/// Adds `column` to `table` unless it is there ([`has_column`]).
+pub(super) async fn add_column_unless_present(
+    manager: &SchemaManager<'_>,
+    table: impl Iden + 'static,
+    mut column: ColumnDef,
+) -> Result<(), DbErr> {
+    if has_column(manager, &table, &Alias::new(column.get_column_name())).await? {
+        return Ok(());
+    }
+    manager
+        .alter_table(
+            Table::alter()
+                .table(table)
+                .add_column(&mut column)
+                .to_owned(),
+        )
+        .await
+}
+
+/// Drops `column` of `table` if it is there ([`has_column`]).
+pub(super) async fn drop_column_if_present(
+    manager: &SchemaManager<'_>,
+    table: impl Iden + 'static,
+    column: impl Iden + 'static,
+) -> Result<(), DbErr> {
+    if !has_column(manager, &table, &column).await? {
+        return Ok(());
+    }
+    manager
+        .alter_table(Table::alter().table(table).drop_column(column).to_owned())
         .await
 }
